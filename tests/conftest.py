@@ -1,0 +1,32 @@
+"""Test-session setup shared by every test.
+
+* 8 fake CPU devices, so mesh tests run in-process (must be set before jax is imported).
+* Goldens live in tests/fixtures/ with the recipe that made them (tests/fixtures/README.md).
+"""
+import os
+import pathlib
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+REPO = pathlib.Path(__file__).parent.parent
+
+
+def rel_err(a, b) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (the parity metric the issues name)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture
+def fixtures_dir() -> pathlib.Path:
+    return FIXTURES
