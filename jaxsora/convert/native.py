@@ -1,0 +1,124 @@
+"""jaxsora's native checkpoint format (orbax), as far as model weights are concerned.
+
+    CKPT/                      an orbax CheckpointManager root (training outputs use the same)
+      <step>/
+        state/                 StandardSave pytree: {"params": W, "ema": W, ...}; W is the model's
+                               nnx state as a nested dict (every nnx.Variable: Params and Buffers)
+        config/                JsonSave: {"model": STDiT3Config fields, ...}
+
+`save_weights` writes such a folder with one step; `load_weights` reads the model config and W
+(EMA or not) from any such folder — a manager root (newest step) or one step folder — so
+`to-torch` accepts converter outputs and training checkpoints alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxsora.models.stdit3 import STDiT3, STDiT3Config
+
+
+def _state_dict_tree(model: nnx.Module) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Variable))
+
+
+def save_weights(path: str, model: STDiT3, *, ema: Optional[dict] = None, step: int = 0,
+                 extra_config: Optional[dict] = None) -> str:
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    weights = _state_dict_tree(model)
+    config = {"model": model.config.to_dict(), **(extra_config or {})}
+    with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)) as mngr:
+        mngr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": weights, "ema": ema if ema is not None else weights}),
+            config=ocp.args.JsonSave(config),
+        ))
+        mngr.wait_until_finished()
+    return path
+
+
+def resolve_step_dir(path: str, step: Optional[int] = None) -> str:
+    """A step folder (holding `state/`) from a manager root or a step folder."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if os.path.isdir(os.path.join(path, "state")):
+        return path
+    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d, "state")))
+    if not steps:
+        raise FileNotFoundError(f"{path} holds no jaxsora checkpoint (no <step>/state folder)")
+    if step is None:
+        return os.path.join(path, str(steps[-1]))
+    if step not in steps:
+        raise FileNotFoundError(f"{path} has no step {step}; it has {steps}")
+    return os.path.join(path, str(step))
+
+
+def read_config(step_dir: str) -> dict:
+    for name in ("config/metadata", "config"):
+        f = os.path.join(step_dir, name)
+        if os.path.isfile(f):
+            with open(f) as fh:
+                return json.load(fh)
+    raise FileNotFoundError(f"{step_dir} has no config item")
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, prefix + (str(k),))
+    else:
+        yield prefix, tree
+
+
+def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) -> tuple[STDiT3Config, dict]:
+    """(model config, {nnx path as tuple of str: numpy array}) from a native checkpoint."""
+    import orbax.checkpoint as ocp
+
+    step_dir = resolve_step_dir(path, step)
+    config = read_config(step_dir)
+    if "model" not in config:
+        raise ValueError(f"{step_dir}/config has no 'model' entry (STDiT3Config)")
+    mcfg = config["model"]
+    cfg = STDiT3Config(**{k: v for k, v in mcfg.items() if k in STDiT3Config.__dataclass_fields__})
+    with ocp.StandardCheckpointer() as ckptr:
+        state = ckptr.restore(os.path.join(step_dir, "state"))
+    key = "ema" if ema else "params"
+    if key not in state:
+        raise ValueError(f"{step_dir}/state has no {key!r} entry (it has {sorted(state)})")
+    flat = {p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[key])}
+    # Non-trainable model variables may be stored beside the params (e.g. "buffers").
+    for extra in ("buffers", "model_state"):
+        if extra in state:
+            flat.update({p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[extra]) if p not in flat})
+    return cfg, flat
+
+
+def apply_weights(model: STDiT3, flat: dict, *, source: str = "checkpoint") -> None:
+    """Copy {path-of-str: array} into `model`; missing or mis-shaped entries raise, naming them."""
+    missing = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        key = tuple(str(p) for p in path)
+        if key not in flat:
+            missing.append(".".join(key))
+            continue
+        value = flat[key]
+        if tuple(value.shape) != tuple(var[...].shape):
+            raise ValueError(f"{source}: shape mismatch for {'.'.join(key)}: {value.shape} vs model {var[...].shape}")
+        var[...] = jax.numpy.asarray(value, var[...].dtype)
+    if missing:
+        raise ValueError(f"{source}: missing {len(missing)} weights, e.g. {missing[:5]}")
+
+
+def load_model(path: str, *, ema: bool = False, step: Optional[int] = None,
+               config: Optional[STDiT3Config] = None) -> STDiT3:
+    cfg, flat = load_weights(path, ema=ema, step=step)
+    model = STDiT3(config or cfg, rngs=nnx.Rngs(0))
+    apply_weights(model, flat, source=path)
+    return model

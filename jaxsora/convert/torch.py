@@ -1,0 +1,292 @@
+"""STDiT3 weights ⇄ PyTorch state dicts (Open-Sora 1.2 and PixArt-Σ).
+
+The NNX module tree mirrors the PyTorch one, so the name map is one rule: join the NNX path with
+"." and call a Linear/Conv `kernel` a `weight`. Layouts differ only for kernels:
+
+| NNX leaf                        | PyTorch                                  |
+| ------------------------------- | ---------------------------------------- |
+| Linear `kernel` [in, out]       | `weight` [out, in] (transpose)           |
+| Conv3d `kernel` [kt, kh, kw, in, out] | `weight` [out, in, kt, kh, kw]     |
+| everything else (`bias`, norm `weight`, `scale_shift_table`, `rope.freqs`, `y_embedder.y_embedding`) | same name, same array |
+
+safetensors files are read and written with numpy (no torch); `.pth`/`.pt`/`.bin` need torch,
+imported only then. bfloat16 goes through a uint16 view (torch's `from_numpy` has no bf16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Iterable, Optional
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxsora.models.stdit3 import STDiT3, STDiT3Config
+
+TORCH_EXTS = (".pth", ".pt", ".bin", ".ckpt")
+# Wrappers Open-Sora / PixArt / ColossalAI / DDP put around a state dict.
+WRAPPER_KEYS = ("ema", "model", "state_dict", "module")
+
+
+# --------------------------------------------------------------------------------------------
+# names and layouts
+# --------------------------------------------------------------------------------------------
+def torch_key(path: tuple) -> str:
+    parts = [str(p) for p in path]
+    if parts[-1] == "kernel":
+        parts[-1] = "weight"
+    return ".".join(parts)
+
+
+def to_torch_layout(path: tuple, value: np.ndarray) -> np.ndarray:
+    if path[-1] != "kernel":
+        return value
+    if value.ndim == 2:
+        return value.T
+    if value.ndim == 5:
+        return np.transpose(value, (4, 3, 0, 1, 2))
+    raise ValueError(f"unexpected kernel rank {value.ndim} at {'.'.join(map(str, path))}")
+
+
+def from_torch_layout(path: tuple, value: np.ndarray) -> np.ndarray:
+    if path[-1] != "kernel":
+        return value
+    if value.ndim == 2:
+        return value.T
+    if value.ndim == 5:
+        return np.transpose(value, (2, 3, 4, 1, 0))
+    raise ValueError(f"unexpected weight rank {value.ndim} for {torch_key(path)}")
+
+
+def _flat_variables(model: nnx.Module):
+    return nnx.to_flat_state(nnx.state(model, nnx.Variable))
+
+
+def torch_shapes(config_or_model) -> list[tuple[str, tuple]]:
+    """(key, PyTorch shape) in the reference's registration order, without building weights
+    (give a config, or a model from `nnx.eval_shape`)."""
+    if isinstance(config_or_model, STDiT3Config):
+        model = nnx.eval_shape(lambda: STDiT3(config_or_model, rngs=nnx.Rngs(0)))
+    else:
+        model = config_or_model
+    config = model.config
+    out = {}
+    for path, var in _flat_variables(model):
+        shape = tuple(var.shape if hasattr(var, "shape") else var[...].shape)
+        if path[-1] == "kernel":
+            shape = shape[::-1] if len(shape) == 2 else (shape[4], shape[3], *shape[:3])
+        out[torch_key(path)] = shape
+    return sorted(out.items(), key=lambda kv: _registration_rank(kv[0], config.depth))
+
+
+_TOP_ORDER = ["rope", "x_embedder", "t_embedder", "fps_embedder", "t_block", "y_embedder",
+              "spatial_blocks", "temporal_blocks", "final_layer"]
+_BLOCK_ORDER = ["scale_shift_table", "attn.qkv.weight", "attn.qkv.bias", "attn.q_norm", "attn.k_norm",
+                "attn.proj.weight", "attn.proj.bias", "cross_attn.q_linear.weight", "cross_attn.q_linear.bias",
+                "cross_attn.kv_linear.weight", "cross_attn.kv_linear.bias", "cross_attn.proj.weight",
+                "cross_attn.proj.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"]
+
+
+def _registration_rank(key: str, depth: int):
+    """Sort key reproducing PyTorch's registration order of STDiT3's state dict."""
+    top = key.split(".")[0]
+    rank = [_TOP_ORDER.index(top)]
+    if top in ("spatial_blocks", "temporal_blocks"):
+        _, idx, rest = key.split(".", 2)
+        rank += [int(idx), next(i for i, p in enumerate(_BLOCK_ORDER) if rest.startswith(p))]
+    else:
+        rest = key[len(top) + 1:]
+        # y_embedding (buffer) before y_proj; weight before bias; lower Sequential index first.
+        rank += [0 if "y_embedding" in rest else 1, [int(n) for n in re.findall(r"\d+", rest)],
+                 "fc2" in rest, "linear" in rest, rest.endswith("bias")]
+    return rank
+
+
+# --------------------------------------------------------------------------------------------
+# JAX → PyTorch
+# --------------------------------------------------------------------------------------------
+def to_torch_state_dict(model_or_state, dtype=np.float32, config: Optional[STDiT3Config] = None) -> dict[str, np.ndarray]:
+    """The reference STDiT3 state dict (all 973 keys for XL/2, registration order) as numpy.
+
+    `model_or_state` is an STDiT3 or a flat {nnx path tuple: array} mapping (e.g. EMA weights);
+    `dtype` float32 (default) or bfloat16 (ml_dtypes).
+    """
+    if isinstance(model_or_state, nnx.Module):
+        depth = model_or_state.config.depth
+        flat = [(p, np.asarray(v[...])) for p, v in _flat_variables(model_or_state)]
+    else:
+        depth = config.depth if config is not None else 1_000_000
+        flat = [(tuple(p), np.asarray(v)) for p, v in model_or_state.items()]
+    sd = {torch_key(p): np.ascontiguousarray(to_torch_layout(p, v)).astype(dtype) for p, v in flat}
+    return dict(sorted(sd.items(), key=lambda kv: _registration_rank(kv[0], depth)))
+
+
+def save_torch_state_dict(sd: dict[str, np.ndarray], path: str, metadata: Optional[dict] = None) -> None:
+    """Write `.safetensors` (numpy, no torch) or `.pth`/`.pt` (torch.save of a flat dict)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in sd.items()}, path, metadata=metadata)
+    elif path.endswith(TORCH_EXTS):
+        torch = _import_torch(path)
+        out = {}
+        for k, v in sd.items():
+            if v.dtype == ml_dtypes.bfloat16:
+                out[k] = torch.from_numpy(np.ascontiguousarray(v).view(np.uint16)).view(torch.bfloat16)
+            else:
+                out[k] = torch.from_numpy(np.ascontiguousarray(v))
+        torch.save(out, path)
+    else:
+        raise ValueError(f"{path}: choose a .safetensors or .pth/.pt output")
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch → JAX
+# --------------------------------------------------------------------------------------------
+def _import_torch(path):
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(f"reading/writing {path} needs torch: pip install 'jaxsora[torch]'") from e
+    return torch
+
+
+def read_state_dict(path: str) -> dict[str, np.ndarray]:
+    """Read a checkpoint file into {key: numpy float32 array} (bf16/fp16 upcast to float32)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import load_file
+
+        return {k: np.asarray(v) for k, v in load_file(path).items()}
+    if path.endswith(TORCH_EXTS):
+        torch = _import_torch(path)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
+        return _to_numpy_tree(obj, torch)
+    raise ValueError(f"{path}: unknown checkpoint format (expected .safetensors, .pth, .pt, .bin)")
+
+
+def _to_numpy_tree(obj, torch):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.numpy()
+    if isinstance(obj, dict):
+        return {k: _to_numpy_tree(v, torch) for k, v in obj.items()}
+    return obj
+
+
+def unwrap_state_dict(sd: dict) -> dict[str, np.ndarray]:
+    """Strip `{ema|model|state_dict|module: ...}` wrappers and `module.` key prefixes."""
+    for _ in range(4):
+        if any(isinstance(v, np.ndarray) for v in sd.values()):
+            break
+        for w in WRAPPER_KEYS:
+            if isinstance(sd.get(w), dict):
+                sd = sd[w]
+                break
+        else:
+            break
+    out = {}
+    for k, v in sd.items():
+        if not isinstance(v, np.ndarray):
+            continue
+        while k.startswith("module."):
+            k = k[len("module."):]
+        out[k] = v
+    return out
+
+
+def is_pixart(sd: dict[str, np.ndarray]) -> bool:
+    return any(k.startswith("blocks.") for k in sd) and not any(k.startswith("spatial_blocks.") for k in sd)
+
+
+def reparameterize(sd: dict[str, np.ndarray], config: STDiT3Config) -> dict[str, np.ndarray]:
+    """What the reference's `load_checkpoint` does before loading (spec §1.11):
+
+    PixArt-Σ: `blocks.i.*` → `spatial_blocks.i.*`; a 4-D `x_embedder.proj.weight` gets a time axis;
+    every file: `pos_embed`/`pos_embed_temporal` dropped; `y_embedder.y_embedding` padded by
+    repeating its last row, or truncated, to `model_max_length` rows.
+    """
+    sd = dict(sd)
+    if is_pixart(sd):
+        sd = {("spatial_" + k if k.startswith("blocks.") else k): v for k, v in sd.items()}
+    w = sd.get("x_embedder.proj.weight")
+    if w is not None and w.ndim == 4:
+        sd["x_embedder.proj.weight"] = w[:, :, None]
+    for k in ("pos_embed", "pos_embed_temporal"):
+        sd.pop(k, None)
+    y = sd.get("y_embedder.y_embedding")
+    n = config.model_max_length
+    if y is not None and y.shape[0] != n:
+        sd["y_embedder.y_embedding"] = (
+            y[:n] if y.shape[0] > n else np.concatenate([y, np.repeat(y[-1:], n - y.shape[0], 0)], 0)
+        )
+    return sd
+
+
+@dataclasses.dataclass
+class LoadReport:
+    mapped: list[str]
+    initialized: list[str]
+    ignored: list[str]
+
+    def summary(self) -> str:
+        lines = [f"mapped {len(self.mapped)}, initialized {len(self.initialized)}, ignored {len(self.ignored)}"]
+        if self.initialized:
+            lines.append("initialized as the reference does (not in the file): " + _abbrev(self.initialized))
+        if self.ignored:
+            lines.append("ignored (no such parameter): " + _abbrev(self.ignored))
+        return "\n".join(lines)
+
+
+def _abbrev(keys: Iterable[str], n: int = 12) -> str:
+    keys = list(keys)
+    # Fold block indices so that 476 temporal-block keys read as one line.
+    folded = sorted({re.sub(r"(_blocks)\.\d+\.", r"\1.*.", k) for k in keys})
+    more = f" … (+{len(folded) - n} more)" if len(folded) > n else ""
+    return ", ".join(folded[:n]) + more
+
+
+def load_torch_state_dict(model: STDiT3, sd: dict[str, np.ndarray], *, strict: bool = False) -> LoadReport:
+    """Copy reference-named weights into `model` in place. Keys absent from `sd` keep the model's
+    (reference-style) initialization; a wrong shape is a ValueError naming the key."""
+    sd = reparameterize(unwrap_state_dict(sd), model.config)
+    mapped, initialized = [], []
+    used = set()
+    for path, var in _flat_variables(model):
+        key = torch_key(path)
+        if key not in sd:
+            initialized.append(key)
+            continue
+        value = from_torch_layout(path, np.asarray(sd[key]))
+        if tuple(value.shape) != tuple(var[...].shape):
+            theirs = tuple(np.asarray(sd[key]).shape)
+            ours = tuple(to_torch_layout(path, np.zeros(var[...].shape, np.float32)).shape)
+            raise ValueError(f"shape mismatch for {key}: checkpoint has {theirs}, the model expects {ours}")
+        var[...] = jnp.asarray(value, dtype=var[...].dtype)
+        mapped.append(key)
+        used.add(key)
+    ignored = sorted(set(sd) - used)
+    if strict and (initialized or ignored):
+        raise ValueError(f"strict load: missing {initialized[:5]}…, unexpected {ignored[:5]}…")
+    return LoadReport(mapped, initialized, ignored)
+
+
+def from_torch_state_dict(state_dict: dict, config: STDiT3Config, *, seed: int = 0,
+                          return_report: bool = False):
+    """Build an STDiT3 from a reference (Open-Sora STDiT3 or PixArt-Σ) state dict.
+
+    Parameters the dict lacks are initialized as the reference initializes them (seeded).
+    """
+    model = STDiT3(config, rngs=nnx.Rngs(seed))
+    report = load_torch_state_dict(model, state_dict)
+    return (model, report) if return_report else model

@@ -1,0 +1,381 @@
+"""Layers of STDiT3 (Open-Sora 1.2), in Flax NNX.
+
+Every module here mirrors a module of `opensora/models/layers/blocks.py` at the reference tag
+(v1.2.0), and its attribute names mirror the PyTorch attribute names, so that a parameter's NNX
+path joined with "." is its PyTorch state-dict key (`kernel` ↔ `weight`, see `jaxsora.convert`).
+
+Numerics follow the reference: LayerNorm and RMSNorm statistics in float32, attention softmax in
+float32, sinusoidal embeddings computed in float32 and then cast to the compute dtype. Parameters
+are float32; `dtype` is the compute dtype (bfloat16 on GPU).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsora.parallel import constraints
+
+# Open-Sora 1.2: LayerNorm / LlamaRMSNorm eps in STDiT3 blocks, final layer and q/k norm.
+NORM_EPS = 1e-6
+# Open-Sora 1.2: sinusoid size of TimestepEmbedder / SizeEmbedder ("frequency_embedding_size").
+FREQ_EMBED_DIM = 256
+# Open-Sora 1.2: max_period of the timestep sinusoid, RoPE theta and the 2D pos-emb base.
+SINUSOID_BASE = 10000.0
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array that belongs in the state dict (PyTorch buffers and frozen params:
+    `rope.freqs`, `y_embedder.y_embedding`). The optimizer only sees `nnx.Param`s."""
+
+
+# --------------------------------------------------------------------------------------------
+# initializers (spec §1.9)
+# --------------------------------------------------------------------------------------------
+xavier_uniform = jax.nn.initializers.xavier_uniform()
+zeros = jax.nn.initializers.zeros
+
+
+def torch_default_uniform(fan_in: int):
+    """PyTorch's default Conv/Linear init: U(−1/√fan_in, 1/√fan_in) (kaiming_uniform, a=√5)."""
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def scaled_normal(std: float):
+    def init(key, shape, dtype=jnp.float32):
+        return std * jax.random.normal(key, shape, dtype)
+
+    return init
+
+
+def dense(
+    din: int,
+    dout: int,
+    names: tuple,
+    *,
+    rngs: nnx.Rngs,
+    dtype,
+    kernel_init=xavier_uniform,
+    bias_init=zeros,
+) -> nnx.Linear:
+    """A Linear with the reference's default STDiT3 init (xavier weights, zero bias) and logical
+    sharding names `names = (in_axis, out_axis)` on its kernel."""
+    return nnx.Linear(
+        din,
+        dout,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nnx.with_partitioning(kernel_init, names),
+        bias_init=nnx.with_partitioning(bias_init, (names[1],)),
+        precision=None,
+        rngs=rngs,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# functional pieces
+# --------------------------------------------------------------------------------------------
+class SiLU(nnx.Module):
+    """Parameterless, kept as a module so `nnx.List` indices match PyTorch's `nn.Sequential`."""
+
+    def __call__(self, x):
+        return jax.nn.silu(x)
+
+
+def layer_norm(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
+    """LayerNorm without affine parameters over the last axis; statistics in float32."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    """adaLN-single modulation `x·(1+scale)+shift` (reference `t2i_modulate`)."""
+    return x * (1 + scale) + shift
+
+
+def sinusoid(t: jax.Array, dim: int = FREQ_EMBED_DIM, max_period: float = SINUSOID_BASE):
+    """Timestep/size sinusoid `[cos(t·f), sin(t·f)]` (cos first), f_k = max_period^(−k/half).
+
+    t: [N] float → [N, dim] float32.
+    """
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = t.astype(jnp.float32)[:, None] * freqs[None]
+    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+    if dim % 2:
+        emb = jnp.concatenate([emb, jnp.zeros_like(emb[:, :1])], axis=-1)
+    return emb
+
+
+def pos_embed_2d(dim: int, h: int, w: int, scale: jax.Array, base_size: int) -> jax.Array:
+    """Open-Sora `PositionEmbedding2D`: [1, h·w, dim] float32, tokens row-major over (h, w).
+
+    Coordinates: row r → r/scale·base_size/h, column c → c/scale·base_size/w. The embedding is
+    [sin(w·f), cos(w·f)] of the *width* coordinate, then the same of the height coordinate,
+    f_j = 1/10000^(2j/(dim/2)). `scale` may be traced (it comes from the batch's pixel size).
+    """
+    half = dim // 2
+    inv_freq = 1.0 / (SINUSOID_BASE ** (jnp.arange(0, half, 2, dtype=jnp.float32) / half))
+    grid_h = jnp.arange(h, dtype=jnp.float32) / scale * (base_size / h)
+    grid_w = jnp.arange(w, dtype=jnp.float32) / scale * (base_size / w)
+    coord_w = jnp.broadcast_to(grid_w[None, :], (h, w)).reshape(-1)
+    coord_h = jnp.broadcast_to(grid_h[:, None], (h, w)).reshape(-1)
+
+    def sincos(c):
+        out = c[:, None] * inv_freq[None]
+        return jnp.concatenate([jnp.sin(out), jnp.cos(out)], axis=-1)
+
+    return jnp.concatenate([sincos(coord_w), sincos(coord_h)], axis=-1)[None]
+
+
+def rope_interleaved(x: jax.Array, freqs: jax.Array) -> jax.Array:
+    """rotary-embedding-torch 0.5.3 `rotate_queries_or_keys` (GPT-J style, interleaved pairs).
+
+    x: [..., N, Dh] with the sequence on axis −2, positions 0..N−1; freqs: [Dh/2].
+    Angle(pos, j) = pos·freqs_j, repeated as (j0, j0, j1, j1, ...); rotate_half maps each
+    adjacent pair (a, b) → (−b, a). Computed in float32, returned in x.dtype.
+    """
+    n = x.shape[-2]
+    pos = jnp.arange(n, dtype=jnp.float32)
+    ang = pos[:, None] * freqs.astype(jnp.float32)[None, :]  # [N, Dh/2]
+    ang = jnp.repeat(ang, 2, axis=-1)  # [N, Dh] interleaved
+    xf = x.astype(jnp.float32)
+    pairs = xf.reshape(*xf.shape[:-1], -1, 2)
+    rot = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(xf.shape)
+    return (xf * jnp.cos(ang) + rot * jnp.sin(ang)).astype(x.dtype)
+
+
+def resolve_attention_impl(impl: str, dtype, head_dim: int) -> Optional[str]:
+    """Pick `jax.nn.dot_product_attention`'s implementation explicitly.
+
+    "auto": cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple of 8 and ≤ 128 —
+    STDiT3-XL/2's 72 qualifies), XLA otherwise. "cudnn" raises where cuDNN cannot run.
+    Returns None for XLA (jax's spelling).
+    """
+    if impl == "xla":
+        return None
+    if impl == "cudnn":
+        return "cudnn"
+    if impl != "auto":
+        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
+    on_gpu = jax.default_backend() == "gpu"
+    ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if (on_gpu and ok) else None
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    impl: Optional[str],
+    kv_lengths: Optional[jax.Array] = None,
+) -> jax.Array:
+    """softmax(q·kᵀ/√Dh)·v with the softmax in float32.
+
+    q: [B, Nq, H, Dh], k/v: [B, Nk, H, Dh]; kv_lengths: [B] int, keys ≥ length are padding (the
+    valid keys form a prefix, as T5 attention masks do). A row with no valid key returns 0,
+    as the reference's packed block-diagonal attention does.
+    """
+    scale = q.shape[-1] ** -0.5
+    if impl == "cudnn":
+        out = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, key_value_seq_lengths=kv_lengths, implementation="cudnn"
+        )
+    else:
+        # Reference manual path: q scaled first, logits and softmax in float32, cast back.
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q * jnp.asarray(scale, q.dtype), k,
+                            preferred_element_type=jnp.float32)
+        if kv_lengths is not None:
+            valid = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]  # [B, Nk]
+            logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+            logits = jnp.where(jnp.any(valid, -1)[:, None, None, None], logits, 0.0)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    if kv_lengths is not None:
+        out = jnp.where((kv_lengths > 0)[:, None, None, None], out, 0)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# modules
+# --------------------------------------------------------------------------------------------
+class RMSNorm(nnx.Module):
+    """LlamaRMSNorm over the last axis (q/k norm): statistics in float32, `weight·x̂` in x.dtype."""
+
+    def __init__(self, dim: int, *, eps: float = NORM_EPS):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class RotaryEmbedding(nnx.Module):
+    """Holds `rope.freqs` [Dh/2] = 1/10000^(2j/Dh) (rotary-embedding-torch, freqs_for='lang').
+
+    A state-dict entry in the reference (a Parameter with requires_grad=False), so a Buffer here.
+    """
+
+    def __init__(self, dim: int):
+        freqs = 1.0 / (SINUSOID_BASE ** (np.arange(0, dim, 2)[: dim // 2].astype(np.float32) / dim))
+        self.freqs = Buffer(jnp.asarray(freqs, jnp.float32))
+
+
+
+class Mlp(nnx.Module):
+    """timm `Mlp`: fc1 → GELU(tanh) → fc2."""
+
+    def __init__(self, din, dhidden, dout, names_in, names_out, *, rngs, dtype):
+        self.fc1 = dense(din, dhidden, names_in, rngs=rngs, dtype=dtype)
+        self.fc2 = dense(dhidden, dout, names_out, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+
+
+class TimestepEmbedder(nnx.Module):
+    """sinusoid(t) → Linear(256→C) → SiLU → Linear(C→C). Also the fps `SizeEmbedder` (same math)."""
+
+    def __init__(self, hidden: int, *, rngs, dtype, init_first=xavier_uniform, init_last=xavier_uniform):
+        self.mlp = nnx.List([
+            dense(FREQ_EMBED_DIM, hidden, (None, "embed"), rngs=rngs, dtype=dtype, kernel_init=init_first),
+            SiLU(),
+            dense(hidden, hidden, ("embed", None), rngs=rngs, dtype=dtype, kernel_init=init_last),
+        ])
+        self.dtype = dtype
+
+    def __call__(self, t: jax.Array) -> jax.Array:
+        """t: [B] → [B, C]."""
+        h = sinusoid(t).astype(self.dtype)
+        for layer in self.mlp:
+            h = layer(h)
+        return h
+
+
+class PatchEmbed3D(nnx.Module):
+    """Conv3d with kernel = stride = patch over [B, C, T, H, W], zero-padded at the end of T/H/W."""
+
+    def __init__(self, patch, cin, hidden, *, rngs, dtype):
+        fan_in = cin * int(np.prod(patch))
+        self.patch = tuple(patch)
+        self.proj = nnx.Conv(
+            cin,
+            hidden,
+            kernel_size=self.patch,
+            strides=self.patch,
+            padding="VALID",
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nnx.with_partitioning(torch_default_uniform(fan_in), (None, None, None, None, "embed")),
+            bias_init=nnx.with_partitioning(torch_default_uniform(fan_in), ("embed",)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [B, C, T, H, W] → [B, T', H', W', hidden] (channels last)."""
+        pads = [(0, 0), (0, 0)] + [(0, (-n) % p) for n, p in zip(x.shape[2:], self.patch)]
+        x = jnp.pad(x, pads)
+        return self.proj(jnp.transpose(x, (0, 2, 3, 4, 1)))
+
+
+class Attention(nnx.Module):
+    """Self-attention: fused qkv (rows q | k | v, each head-major), q/k RMSNorm, optional RoPE."""
+
+    def __init__(self, dim, num_heads, *, qk_norm, use_rope: bool, rngs, dtype, attn_impl,
+                 sequence_axis: Optional[str] = None):
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = dense(dim, 3 * dim, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
+        self.proj = dense(dim, dim, ("heads", "embed"), rngs=rngs, dtype=dtype)
+        self.use_rope = use_rope
+        self.attn_impl = attn_impl
+        self.sequence_axis = sequence_axis
+
+    def __call__(self, x: jax.Array, rope_freqs: Optional[jax.Array] = None) -> jax.Array:
+        """x: [R, N, C] (R independent rows, N the attended sequence) → [R, N, C].
+        rope_freqs: [Dh/2], required when the layer uses RoPE (temporal blocks)."""
+        r, n, c = x.shape
+        qkv = self.qkv(x).reshape(r, n, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [R, N, H, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:  # rotation over the sequence axis (−2 after the swap)
+            q = jnp.swapaxes(rope_interleaved(jnp.swapaxes(q, 1, 2), rope_freqs), 1, 2)
+            k = jnp.swapaxes(rope_interleaved(jnp.swapaxes(k, 1, 2), rope_freqs), 1, 2)
+        attn_fn = lambda q_, k_, v_: attention(q_, k_, v_, impl=self.attn_impl)  # noqa: E731
+        if self.sequence_axis is not None:
+            from jaxsora.parallel.sequence import ulysses_attention
+
+            out = ulysses_attention(q, k, v, mesh=None, axis_name=self.sequence_axis, attn_fn=attn_fn)
+        else:
+            out = attn_fn(q, k, v)
+        return self.proj(out.reshape(r, n, c))
+
+
+class MultiHeadCrossAttention(nnx.Module):
+    """Cross-attention of image tokens over the sample's own valid text tokens (no norm, no RoPE).
+
+    The reference packs all valid tokens into one sequence with a block-diagonal mask; attending
+    over the padded [B, L] text with a key mask is the same computation.
+    """
+
+    def __init__(self, dim, num_heads, *, rngs, dtype, attn_impl, proj_init=xavier_uniform):
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q_linear = dense(dim, dim, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.kv_linear = dense(dim, 2 * dim, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.proj = dense(dim, dim, ("heads", "embed"), rngs=rngs, dtype=dtype, kernel_init=proj_init)
+        self.attn_impl = attn_impl
+
+    def __call__(self, x: jax.Array, y: jax.Array, y_lens: Optional[jax.Array]) -> jax.Array:
+        """x: [B, N, C]; y: [B, L, C] projected text; y_lens: [B] valid-token counts or None."""
+        b, n, c = x.shape
+        q = self.q_linear(x).reshape(b, n, self.num_heads, self.head_dim)
+        kv = self.kv_linear(y).reshape(b, y.shape[1], 2, self.num_heads, self.head_dim)
+        out = attention(q, kv[:, :, 0], kv[:, :, 1], impl=self.attn_impl, kv_lengths=y_lens)
+        return self.proj(out.reshape(b, n, c))
+
+
+def text_lengths(mask: Optional[jax.Array]) -> Optional[jax.Array]:
+    """[B, L] 0/1 text mask → [B] int32 valid-token counts (None stays None)."""
+    if mask is None:
+        return None
+    return jnp.sum(mask.astype(jnp.int32), axis=-1)
+
+
+def prefix_mask_check(mask: np.ndarray) -> None:
+    """Host-side check that every text mask row is a prefix of ones (what T5 tokenizers give);
+    the attention above relies on it. Raises ValueError naming the first bad row."""
+    mask = np.asarray(mask) != 0
+    lens = mask.sum(-1)
+    expect = np.arange(mask.shape[-1])[None, :] < lens[:, None]
+    bad = np.nonzero((mask != expect).any(-1))[0]
+    if bad.size:
+        raise ValueError(f"text mask row {int(bad[0])} is not a prefix of ones (valid tokens then padding)")
+
+
+__all__ = [
+    "Buffer", "SiLU", "RMSNorm", "RotaryEmbedding", "Mlp", "TimestepEmbedder", "PatchEmbed3D",
+    "Attention", "MultiHeadCrossAttention", "attention", "layer_norm", "modulate", "sinusoid",
+    "pos_embed_2d", "rope_interleaved", "resolve_attention_impl", "text_lengths", "prefix_mask_check",
+    "constraints",
+]

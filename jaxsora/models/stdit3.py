@@ -1,0 +1,333 @@
+"""STDiT3 (Open-Sora 1.2's spatial-temporal diffusion transformer) in Flax NNX.
+
+Computes what `opensora/models/stdit/stdit3.py` computes at the reference tag (v1.2.0), spec §1:
+PatchEmbed3D → + 2D sin/cos pos-emb → `depth` × (spatial block, temporal block) → T2IFinalLayer
+→ unpatchify. The module tree mirrors the PyTorch one (see `jaxsora.convert`).
+
+Layout inside: tokens are kept as [B, T, S, C] (S = H·W patches, row-major), so spatial attention
+runs over rows (B·T, S) and temporal attention over rows (B·S, T) with no packing. The public call
+takes and returns the reference layouts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from einops import rearrange
+from flax import nnx
+
+from jaxsora.models import layers as L
+from jaxsora.parallel.constraints import constrain
+
+# Open-Sora 1.2 inference default fps (configs/opensora-v1-2/inference/sample.py), used when the
+# caller passes none; the VAE's 8× spatial factor gives the default pixel height/width.
+DEFAULT_FPS = 24.0
+VAE_SPATIAL_FACTOR = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class STDiT3Config:
+    """Field names and defaults follow the reference `STDiT3Config`; the last group is ours."""
+
+    depth: int = 28
+    hidden_size: int = 1152
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    patch_size: tuple = (1, 2, 2)
+    in_channels: int = 4
+    pred_sigma: bool = True
+    caption_channels: int = 4096
+    model_max_length: int = 300
+    qk_norm: bool = True
+    class_dropout_prob: float = 0.1
+    input_sq_size: int = 512
+    drop_path: float = 0.0
+    freeze_y_embedder: bool = False
+    # --- jaxsora ---
+    compute_dtype: str = "float32"  # "bfloat16" on GPU; parameters are always float32
+    remat: bool = False  # rematerialize each block in the backward pass (grad checkpointing)
+    attention_impl: str = "auto"  # "auto" | "xla" | "cudnn"
+    sequence_parallel_axis: Optional[str] = None  # mesh axis for Ulysses spatial attention
+    # The reference modulates x_mask == False frames twice in the final layer (spec §1.5). Keep
+    # False to load/export Open-Sora checkpoints; True computes the intended single modulation.
+    fix_final_layer_double_mod: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.hidden_size % 4:
+            raise ValueError("hidden_size must be divisible by 4 (2D sin/cos position embedding)")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("head_dim must be even (RoPE rotates pairs)")
+        if self.drop_path != 0.0:
+            raise ValueError("drop_path > 0 is not supported (every Open-Sora 1.2 config uses 0.0)")
+        if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels * 2 if self.pred_sigma else self.in_channels
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def replace(self, **kw) -> "STDiT3Config":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["patch_size"] = list(self.patch_size)
+        return d
+
+
+class CaptionEmbedder(nnx.Module):
+    """y_proj (timm Mlp, GELU-tanh) over T5 states, with the learned null caption `y_embedding`.
+
+    Caption dropout (CFG training) replaces a sample's whole caption by `y_embedding` but keeps
+    its text mask, as the reference does (spec §1.3).
+    """
+
+    def __init__(self, cfg: STDiT3Config, *, rngs, dtype):
+        c, cc = cfg.hidden_size, cfg.caption_channels
+        self.y_proj = L.Mlp(cc, c, c, ("caption", "embed"), ("embed", None), rngs=rngs, dtype=dtype)
+        # Reference: randn(token_num, in_channels) / sqrt(in_channels), a persistent buffer.
+        y0 = jax.random.normal(rngs.params(), (cfg.model_max_length, cc), jnp.float32) / math.sqrt(cc)
+        self.y_embedding = L.Buffer(y0)
+        self.uncond_prob = cfg.class_dropout_prob
+        self.dtype = dtype
+
+    def __call__(self, caption, *, dropout_key=None, force_drop_ids=None):
+        """caption: [B, 1, L, Cc] → [B, L, C]."""
+        caption = caption.astype(self.dtype)
+        drop = None
+        if force_drop_ids is not None:
+            drop = jnp.asarray(force_drop_ids) == 1
+        elif dropout_key is not None and self.uncond_prob > 0:
+            drop = jax.random.uniform(dropout_key, (caption.shape[0],)) < self.uncond_prob
+        if drop is not None:
+            null = self.y_embedding[...].astype(self.dtype)
+            if caption.shape[2:] != null.shape:
+                raise ValueError(
+                    f"caption dropout needs captions of shape [B, 1, {null.shape[0]}, {null.shape[1]}] "
+                    f"(model_max_length tokens), got {tuple(caption.shape)}"
+                )
+            caption = jnp.where(drop[:, None, None, None], null[None, None], caption)
+        return self.y_proj(caption[:, 0])
+
+
+class STDiT3Block(nnx.Module):
+    """One spatial or temporal block with adaLN-single modulation (spec §1.4)."""
+
+    def __init__(self, cfg: STDiT3Config, *, temporal: bool, rngs, dtype, attn_impl):
+        c = cfg.hidden_size
+        self.temporal = temporal
+        self.dtype = dtype
+        # Reference: randn(6, C) / sqrt(C).
+        self.scale_shift_table = nnx.Param(
+            jax.random.normal(rngs.params(), (6, c), jnp.float32) / math.sqrt(c),
+            out_sharding=(None, "embed"),
+        )
+        self.attn = L.Attention(
+            c, cfg.num_heads, qk_norm=cfg.qk_norm, use_rope=temporal, rngs=rngs, dtype=dtype, attn_impl=attn_impl,
+            sequence_axis=None if temporal else cfg.sequence_parallel_axis,
+        )
+        self.cross_attn = L.MultiHeadCrossAttention(c, cfg.num_heads, rngs=rngs, dtype=dtype, attn_impl=attn_impl)
+        hidden = int(c * cfg.mlp_ratio)
+        self.mlp = L.Mlp(c, hidden, c, ("embed", "mlp"), ("mlp", "embed"), rngs=rngs, dtype=dtype)
+        if temporal:  # spec §1.9: each temporal block starts as the identity
+            for lin in (self.attn.proj, self.cross_attn.proj, self.mlp.fc2):
+                lin.kernel[...] = jnp.zeros_like(lin.kernel[...])
+
+    def __call__(self, x, y, y_lens, t_mlp, t0_mlp, x_mask, rope_freqs):
+        """x: [B, T, S, C]; y: [B, L, C]; y_lens: [B] | None; t_mlp/t0_mlp: [B, 6C]; x_mask: [B, T] | None;
+        rope_freqs: [Dh/2] (`rope.freqs`, used by temporal blocks)."""
+        b, t, s, c = x.shape
+        table = self.scale_shift_table[...].astype(self.dtype)[None]
+        mod = (table + t_mlp.reshape(b, 6, c))[:, :, None, None, :]  # [B, 6, 1, 1, C]
+        if x_mask is not None:
+            # Selecting the modulation vectors per frame equals the reference's t_mask_select of
+            # the modulated/gated outputs: the elementwise ops are the same on every element.
+            mod0 = (table + t0_mlp.reshape(b, 6, c))[:, :, None, None, :]
+            mod = jnp.where(x_mask[:, None, :, None, None], mod, mod0)  # [B, 6, T, 1, C]
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[:, i] for i in range(6))
+
+        h = L.modulate(L.layer_norm(x), shift_msa, scale_msa)
+        if self.temporal:
+            h = rearrange(h, "B T S C -> (B S) T C")
+            h = rearrange(self.attn(h, rope_freqs), "(B S) T C -> B T S C", B=b)
+        else:
+            h = self.attn(h.reshape(b * t, s, c)).reshape(b, t, s, c)
+        x = x + gate_msa * h
+
+        x = x + self.cross_attn(x.reshape(b, t * s, c), y, y_lens).reshape(b, t, s, c)
+
+        h = L.modulate(L.layer_norm(x), shift_mlp, scale_mlp)
+        x = x + gate_mlp * self.mlp(h)
+        return constrain(x, ("batch", "frames", "seq", "embed"))
+
+
+class T2IFinalLayer(nnx.Module):
+    """LayerNorm → modulation with the *raw* t (not t_block) → Linear to patch·out_channels."""
+
+    def __init__(self, cfg: STDiT3Config, *, rngs, dtype):
+        c = cfg.hidden_size
+        self.scale_shift_table = nnx.Param(
+            jax.random.normal(rngs.params(), (2, c), jnp.float32) / math.sqrt(c), out_sharding=(None, "embed")
+        )
+        self.linear = L.dense(c, int(np.prod(cfg.patch_size)) * cfg.out_channels, ("embed", None),
+                              rngs=rngs, dtype=dtype)
+        self.fix_double_mod = cfg.fix_final_layer_double_mod
+        self.dtype = dtype
+
+    def __call__(self, x, t, x_mask, t0):
+        """x: [B, T, S, C]; t/t0: [B, C] → [B, T, S, patch·out]."""
+        table = self.scale_shift_table[...].astype(self.dtype)[None]
+        shift, scale = (table + t[:, None])[:, :, None, None, :].swapaxes(0, 1)  # each [B, 1, 1, C]
+        h = L.modulate(L.layer_norm(x), shift, scale)
+        if x_mask is not None:
+            shift0, scale0 = (table + t0[:, None])[:, :, None, None, :].swapaxes(0, 1)
+            # Reference bug (spec §1.5): the t0 branch re-normalizes the already modulated h.
+            base = x if self.fix_double_mod else h
+            h0 = L.modulate(L.layer_norm(base), shift0, scale0)
+            h = jnp.where(x_mask[:, :, None, None], h, h0)
+        return self.linear(h)
+
+
+def _run_block(block, x, y, y_lens, t_mlp, t0_mlp, x_mask, rope_freqs):
+    return block(x, y, y_lens, t_mlp, t0_mlp, x_mask, rope_freqs)
+
+
+_run_block_remat = nnx.remat(_run_block)
+
+
+class STDiT3(nnx.Module):
+    """Open-Sora 1.2 STDiT3. See `__call__` for the inputs (the reference's layouts)."""
+
+    def __init__(self, config: STDiT3Config, *, rngs: nnx.Rngs):
+        cfg = config
+        self.config = cfg
+        dt = jnp.dtype(cfg.compute_dtype)
+        self.dtype = dt
+        attn_impl = L.resolve_attention_impl(cfg.attention_impl, dt, cfg.head_dim)
+        c = cfg.hidden_size
+
+        self.rope = L.RotaryEmbedding(cfg.head_dim)
+        self.x_embedder = L.PatchEmbed3D(cfg.patch_size, cfg.in_channels, c, rngs=rngs, dtype=dt)
+        self.t_embedder = L.TimestepEmbedder(c, rngs=rngs, dtype=dt)
+        # spec §1.9: fps_embedder mlp.0 ~ N(0, 0.02), mlp.2 = 0 (fps contributes 0 at init).
+        self.fps_embedder = L.TimestepEmbedder(
+            c, rngs=rngs, dtype=dt, init_first=L.scaled_normal(0.02), init_last=L.zeros
+        )
+        self.t_block = nnx.List([L.SiLU(), L.dense(c, 6 * c, ("embed", "adaln"), rngs=rngs, dtype=dt)])
+        self.y_embedder = CaptionEmbedder(cfg, rngs=rngs, dtype=dt)
+        self.spatial_blocks = nnx.List([
+            STDiT3Block(cfg, temporal=False, rngs=rngs, dtype=dt, attn_impl=attn_impl)
+            for _ in range(cfg.depth)
+        ])
+        self.temporal_blocks = nnx.List([
+            STDiT3Block(cfg, temporal=True, rngs=rngs, dtype=dt, attn_impl=attn_impl)
+            for _ in range(cfg.depth)
+        ])
+        self.final_layer = T2IFinalLayer(cfg, rngs=rngs, dtype=dt)
+
+    def _t_block(self, t):
+        for layer in self.t_block:
+            t = layer(t)
+        return t
+
+    def __call__(
+        self,
+        x: jax.Array,
+        timestep: jax.Array,
+        y: jax.Array,
+        mask: Optional[jax.Array] = None,
+        x_mask: Optional[jax.Array] = None,
+        fps: Optional[jax.Array] = None,
+        height: Optional[jax.Array] = None,
+        width: Optional[jax.Array] = None,
+        *,
+        dropout_key: Optional[jax.Array] = None,
+        force_drop_ids: Optional[jax.Array] = None,
+    ) -> jax.Array:
+        """Predict the velocity (and the unused sigma channels).
+
+        x: [B, C_in, T, H, W] latent; timestep: [B] on 0..1000 (1000 = pure noise);
+        y: [B, 1, L, caption_channels] text states; mask: [B, L] 0/1 text mask (valid tokens
+        first, as T5 gives), None = all valid; x_mask: [B, T] bool, False = clean condition frame
+        (modulated with timestep 0); fps: [B] (default 24); height/width: [B] pixel size (default
+        8× the latent size; only sample 0's is used, as in the reference).
+        dropout_key: a PRNG key enables caption dropout with `class_dropout_prob` (training);
+        force_drop_ids: [B] 1 = use the null caption.
+        Returns [B, out_channels, T, H, W] float32.
+        """
+        cfg = self.config
+        dt = self.dtype
+        b, _, tx, hx, wx = x.shape
+        pt, ph, pw = cfg.patch_size
+        t_, h_, w_ = -(-tx // pt), -(-hx // ph), -(-wx // pw)
+        s = h_ * w_
+        base_size = round(s**0.5)
+
+        if fps is None:
+            fps = jnp.full((b,), DEFAULT_FPS, jnp.float32)
+        if height is None:
+            height = jnp.full((b,), hx * VAE_SPATIAL_FACTOR, jnp.float32)
+        if width is None:
+            width = jnp.full((b,), wx * VAE_SPATIAL_FACTOR, jnp.float32)
+        # Reference: scale = sqrt(height[0]·width[0]) / input_sq_size, from the first sample only.
+        scale = jnp.sqrt(jnp.asarray(height[0], jnp.float32) * jnp.asarray(width[0], jnp.float32)) / cfg.input_sq_size
+        pos = L.pos_embed_2d(cfg.hidden_size, h_, w_, scale, base_size).astype(dt)  # [1, S, C]
+
+        # The reference casts the timestep (and, via its booster, fps) to the parameter dtype.
+        timestep = jnp.asarray(timestep).astype(dt)
+        fps_emb = self.fps_embedder(jnp.asarray(fps).astype(dt))
+        t = self.t_embedder(timestep) + fps_emb  # [B, C]
+        t_mlp = self._t_block(t)  # [B, 6C]
+        t0 = t0_mlp = None
+        if x_mask is not None:
+            x_mask = jnp.asarray(x_mask).astype(bool)
+            t0 = self.t_embedder(jnp.zeros_like(timestep)) + fps_emb
+            t0_mlp = self._t_block(t0)
+
+        y_emb = self.y_embedder(y, dropout_key=dropout_key, force_drop_ids=force_drop_ids)  # [B, L, C]
+        y_lens = L.text_lengths(mask)
+
+        h = self.x_embedder(x.astype(dt))  # [B, T, H, W, C]
+        h = h.reshape(b, t_, s, cfg.hidden_size) + pos[:, None]
+        h = constrain(h, ("batch", "frames", "seq", "embed"))
+
+        run = _run_block_remat if cfg.remat else _run_block
+        freqs = self.rope.freqs[...]
+        for spatial, temporal in zip(self.spatial_blocks, self.temporal_blocks):
+            h = run(spatial, h, y_emb, y_lens, t_mlp, t0_mlp, x_mask, freqs)
+            h = run(temporal, h, y_emb, y_lens, t_mlp, t0_mlp, x_mask, freqs)
+
+        h = self.final_layer(h, t, x_mask, t0)  # [B, T, S, pt·ph·pw·C_out]
+        out = rearrange(
+            h, "B T (H W) (pt ph pw C) -> B C (T pt) (H ph) (W pw)",
+            H=h_, W=w_, pt=pt, ph=ph, pw=pw, C=cfg.out_channels,
+        )
+        return out[:, :, :tx, :hx, :wx].astype(jnp.float32)
+
+
+def param_count(model_or_config) -> int:
+    """Number of numbers in the model's state dict (params + buffers), like the reference's."""
+    if isinstance(model_or_config, STDiT3Config):
+        model = nnx.eval_shape(lambda: STDiT3(model_or_config, rngs=nnx.Rngs(0)))
+    else:
+        model = model_or_config
+    return sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Variable)))
+
+
+def trainable_filter(config: STDiT3Config):
+    """nnx filter of the parameters the optimizer updates: every nnx.Param, minus
+    `y_embedder.y_proj` when `freeze_y_embedder` (spec §1.9). Buffers are never trained."""
+    if not config.freeze_y_embedder:
+        return nnx.Param
+    return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("y_proj")))

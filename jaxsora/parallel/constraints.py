@@ -1,0 +1,69 @@
+"""Logical activation-sharding constraints, resolved through the active rules table.
+
+The model annotates activations with logical names (`constrain(x, ("batch", "seq", "embed"))`).
+Outside `with logical_rules(rules):` (or without a mesh set by `jax.set_mesh`) this is a no-op,
+so the model runs unchanged on one device. `jaxsora.parallel.mesh` owns the rules tables.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Optional, Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+Rules = Sequence[tuple[str, object]]  # (logical name, mesh axis | tuple of axes | None)
+_RULES: contextvars.ContextVar[Optional[Rules]] = contextvars.ContextVar("jaxsora_rules", default=None)
+
+
+@contextlib.contextmanager
+def logical_rules(rules: Rules) -> Iterator[None]:
+    token = _RULES.set(tuple(rules))
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def current_rules() -> Optional[Rules]:
+    return _RULES.get()
+
+
+def logical_to_spec(names: Sequence[Optional[str]], rules: Rules) -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once."""
+    table = dict(rules)
+    used: set = set()
+    out = []
+    for name in names:
+        axes = table.get(name) if name is not None else None
+        if axes is None:
+            out.append(None)
+            continue
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+        axes_t = tuple(a for a in axes_t if a not in used)
+        used.update(axes_t)
+        out.append(axes_t if len(axes_t) > 1 else (axes_t[0] if axes_t else None))
+    return PartitionSpec(*out)
+
+
+def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
+    rules = _RULES.get()
+    if rules is None:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_spec(names, rules)
+    # Leave a dim unsharded where its size does not divide the mesh axes (odd bucket shapes).
+    fixed = []
+    for dim, axes in zip(x.shape, spec):
+        if axes is None:
+            fixed.append(None)
+            continue
+        axes_t = (axes,) if isinstance(axes, str) else axes
+        size = 1
+        for a in axes_t:
+            size *= mesh.shape[a]
+        fixed.append(axes if dim % size == 0 else None)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*fixed))
