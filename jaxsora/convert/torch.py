@@ -7,7 +7,8 @@ The NNX module tree mirrors the PyTorch one, so the name map is one rule: join t
 | ------------------------------- | ---------------------------------------- |
 | Linear `kernel` [in, out]       | `weight` [out, in] (transpose)           |
 | Conv3d `kernel` [kt, kh, kw, in, out] | `weight` [out, in, kt, kh, kw]     |
-| everything else (`bias`, norm `weight`, `scale_shift_table`, `rope.freqs`, `y_embedder.y_embedding`) | same name, same array |
+| everything else (`bias`, norm `weight`, `scale_shift_table`,  | same name, same array |
+| `rope.freqs`, `y_embedder.y_embedding`) |                                          |
 
 safetensors files are read and written with numpy (no torch); `.pth`/`.pt`/`.bin` need torch,
 imported only then. bfloat16 goes through a uint16 view (torch's `from_numpy` has no bf16).
@@ -108,7 +109,8 @@ def _registration_rank(key: str, depth: int):
 # --------------------------------------------------------------------------------------------
 # JAX → PyTorch
 # --------------------------------------------------------------------------------------------
-def to_torch_state_dict(model_or_state, dtype=np.float32, config: Optional[STDiT3Config] = None) -> dict[str, np.ndarray]:
+def to_torch_state_dict(model_or_state, dtype=np.float32,
+                        config: Optional[STDiT3Config] = None) -> dict[str, np.ndarray]:
     """The reference STDiT3 state dict (all 973 keys for XL/2, registration order) as numpy.
 
     `model_or_state` is an STDiT3 or a flat {nnx path tuple: array} mapping (e.g. EMA weights);

@@ -1,6 +1,5 @@
 """State-dict names/shapes, parameter counts, round trips and the PixArt-Σ mapping."""
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -147,7 +146,9 @@ def test_native_save_load(tmp_path):
     save_weights(str(tmp_path / "ck"), model)
     back = load_model(str(tmp_path / "ck"))
     assert back.config == model.config
-    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model, nnx.Variable)), nnx.to_flat_state(nnx.state(back, nnx.Variable))):
+    flat = lambda m: nnx.to_flat_state(nnx.state(m, nnx.Variable))  # noqa: E731
+    pairs = zip(flat(model), flat(back))
+    for (p, a), (_, b) in pairs:
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
     with pytest.raises(FileNotFoundError, match="no jaxsora checkpoint"):
         load_model(str(tmp_path))

@@ -13,7 +13,8 @@ CASES = sorted({k.split("/")[0] for k in IO.files if "/" in k})
 
 @pytest.fixture(scope="module")
 def model():
-    return from_torch_state_dict(read_state_dict(str(FIXTURES / "stdit3_tiny_ref.safetensors")), get_model_config("tiny"))
+    sd = read_state_dict(str(FIXTURES / "stdit3_tiny_ref.safetensors"))
+    return from_torch_state_dict(sd, get_model_config("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def test_fixture_covers_the_issue_cases():
 @pytest.mark.parametrize("case", CASES)
 def test_forward_matches_reference(model, forward, case):
     g = lambda k: IO[f"{case}/{k}"] if f"{case}/{k}" in IO.files else None  # noqa: E731
-    out = forward(model, g("x"), g("timestep"), g("y"), g("mask"), g("x_mask"), g("fps"), g("height"), g("width"))
+    args = [g(k) for k in ("x", "timestep", "y", "mask", "x_mask", "fps", "height", "width")]
+    out = forward(model, *args)
     ref = g("out")
     assert out.shape == ref.shape and out.dtype == np.float32
     assert rel_err(out, ref) <= 1e-5, rel_err(out, ref)
@@ -41,7 +43,8 @@ def test_all_true_x_mask_equals_no_mask(model, forward):
     g = lambda k: IO[f"base/{k}"]  # noqa: E731
     args = (g("x"), g("timestep"), g("y"), g("mask"))
     a = forward(model, *args, None, g("fps"), g("height"), g("width"))
-    b = forward(model, *args, np.ones(g("x").shape[::2][:1] + (g("x").shape[2],), bool), g("fps"), g("height"), g("width"))
+    all_true = np.ones((g("x").shape[0], g("x").shape[2]), bool)
+    b = forward(model, *args, all_true, g("fps"), g("height"), g("width"))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
