@@ -1,0 +1,118 @@
+"""Encode a table's captions once into a text-state cache (see `jaxsora.data.cache`).
+
+    python -m data_tools.precompute --table meta.csv --text-encoder '{"kind": "tiny"}' --out DIR
+    python -m data_tools.precompute --table meta.csv --text-encoder configs/stage1.py \\
+        --out DIR --num-shards 64
+
+`--text-encoder` is a JSON object, a `.json` file, or a config `.py` file whose `get_config()`
+returns a text-encoder config or a config with a `text_encoder` field (as `build_text_encoder`
+takes: `{"kind": "t5", "path": ..., "model_max_length": 300, "dtype": "bfloat16"}`).
+Record i of the cache is table row i (CSV or parquet, column `--text-column`, default `text`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+
+def load_encoder_config(spec: str) -> dict:
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            return json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--text-encoder is not valid JSON: {e}") from None
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"--text-encoder: no such file {spec!r} (give JSON, a .json or a config .py)")
+    if spec.endswith(".json"):
+        with open(spec) as f:
+            return json.load(f)
+    if spec.endswith(".py"):
+        mod_spec = importlib.util.spec_from_file_location("_text_encoder_config", spec)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        if not hasattr(mod, "get_config"):
+            raise AttributeError(f"{spec}: no get_config()")
+        cfg = mod.get_config()
+        if "text_encoder" in cfg:
+            cfg = cfg["text_encoder"]
+        return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    raise ValueError(f"--text-encoder {spec!r}: expected JSON, a .json file or a .py config")
+
+
+def read_captions(table: str, column: str = "text") -> list[str]:
+    import pandas as pd
+
+    if not os.path.exists(table):
+        raise FileNotFoundError(f"table {table!r} does not exist")
+    if table.endswith(".parquet"):
+        df = pd.read_parquet(table, columns=None)
+    elif table.endswith(".csv"):
+        df = pd.read_csv(table, keep_default_na=False, dtype={column: str})
+    else:
+        raise ValueError(f"table {table!r}: expected .csv or .parquet")
+    if column not in df.columns:
+        raise KeyError(f"table {table!r} has no column {column!r} (columns: {list(df.columns)})")
+    texts = df[column].tolist()
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"table {table!r}: row {i} column {column!r} is {t!r}, not a caption string")
+    return texts
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", required=True, help="CSV or parquet with a caption column")
+    p.add_argument(
+        "--text-encoder",
+        required=True,
+        help="JSON, .json or config .py (build_text_encoder config)",
+    )
+    p.add_argument("--out", required=True, help="output cache directory")
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--text-column", default="text")
+    p.add_argument(
+        "--store-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 for a bf16 encoder, else float32",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing cache in --out")
+    args = p.parse_args(argv)
+
+    from jaxsora.data.cache import MANIFEST, write_cache
+    from jaxsora.models.t5 import build_text_encoder
+
+    if os.path.exists(os.path.join(args.out, MANIFEST)) and not args.overwrite:
+        raise FileExistsError(f"{args.out} already holds a cache ({MANIFEST}); pass --overwrite to replace it")
+    texts = read_captions(args.table, args.text_column)
+    enc_cfg = load_encoder_config(args.text_encoder)
+    encoder = build_text_encoder(enc_cfg)
+    manifest = write_cache(
+        args.out,
+        texts,
+        encoder,
+        encoder_config=dict(encoder.config),
+        num_shards=args.num_shards,
+        batch_size=args.batch_size,
+        store_dtype=args.store_dtype,
+        table_path=os.path.abspath(args.table),
+    )
+    print(
+        f"wrote {manifest['num_rows']} caption states (L={manifest['model_max_length']}, "
+        f"D={manifest['caption_channels']}, {manifest['dtype']}, mean length "
+        f"{manifest['mean_length']:.1f}) "
+        f"in {len(manifest['shards'])} shard(s) to {args.out}",
+        file=sys.stderr,
+    )
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

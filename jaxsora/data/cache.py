@@ -1,0 +1,412 @@
+"""Pre-computed text-encoder states (T5 caption states) in ArrayRecord shards.
+
+Open-Sora 1.2 runs the frozen T5-v1.1-XXL encoder on every caption of every step (spec §3.2,
+§6). The encoder has ≈4.76B parameters, so one caption of 300 tokens costs ≈ 2 × 4.76e9 × 300
+≈ 2.8 TFLOP (≈ 5–10 ms of an H100 in bf16) and its bf16 weights take ≈ 9.5 GB of device
+memory beside STDiT3. Reading the cached states instead costs len × 4096 × 2 bytes (bf16): ≈ 0.4 MB for
+a 50-token caption, 2.4 MB for a full 300-token one.
+
+Caching pays off when
+
+* the text encoder is frozen (it always is in Open-Sora 1.2) and the captions are fixed — any
+  caption edit (cleaning, score text) means re-running `python -m data_tools.precompute`;
+* the data is seen more than once: stages 1 and 3 of Open-Sora 1.2 run ≈ 2 epochs, so every
+  caption would be encoded twice or more; a single pass over < 1 epoch (stage 2 ran ≈ 0.5 epoch)
+  gains little beyond the freed device memory;
+* device memory or step time is the bottleneck: without T5 on the accelerators the memory goes to
+  bigger batches, and the step no longer waits for 24 T5 layers;
+
+and it costs disk space (up to ≈ 2.4 MB × samples in bf16 for long LLM captions) and one full
+encoding pass up front. CFG caption dropout is unaffected: it happens inside STDiT3
+(`y_embedding`), after the lookup.
+
+Layout of a cache directory (written by `data_tools.precompute`):
+
+* `text_states-train.array_record-XXXXX-of-YYYYY`: ArrayRecord shards, contiguous row ranges in
+  table order, so record index = table row. Each record is a serialized `tf.train.Example` with
+  features `row` (int64), `key` (`"<row>:<caption hash>"`), `caption_hash`, `length` (int32, number
+  of valid tokens, EOS included) and `y` (`[length, D]`, the valid tokens' states only, raw bytes of
+  the stored dtype). These are TFDS `Tensor`/`Text`/`Scalar` features, so the same files read as
+  `grain.sources.ArrayRecordDataSource` (raw bytes; parse with `parse_record`) and as a TFDS
+  dataset (`tfds.builder_from_directory(dir).as_data_source("train")`, no TensorFlow needed).
+* `dataset_info.json`, `features.json`: TFDS metadata.
+* `manifest.json`: encoder config, table path and fingerprint, L (`model_max_length`), D
+  (`caption_channels`), stored dtype, shards. Written last, so a cache without it is incomplete.
+
+`TextStateCache(dir).lookup(rows, texts)` restores the padded `y [b, 1, L, D]` float32 (zeros at
+padded token positions — STDiT3 only reads tokens where mask = 1) and `mask [b, L]` int32, and
+checks each caption's hash against the table's current caption (`StaleCacheError` names the row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+FORMAT = "jaxsora.text_states/1"
+DATASET_NAME = "text_states"
+SPLIT = "train"
+# TFDS file naming, so `tfds.builder_from_directory` finds the shards.
+FILENAME_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
+STORE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class StaleCacheError(ValueError):
+    """The table's caption for a row differs from the one the cache was computed from."""
+
+
+def caption_hash(text: str) -> str:
+    """First 16 hex digits of sha1(utf-8 caption)."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def table_fingerprint(texts: Sequence[str]) -> str:
+    """sha256 over the ordered captions (row count included)."""
+    h = hashlib.sha256(str(len(texts)).encode())
+    for t in texts:
+        h.update(b"\0" + t.encode("utf-8"))
+    return h.hexdigest()
+
+
+def np_dtype(name: str) -> np.dtype:
+    if name not in STORE_DTYPES:
+        raise ValueError(f"store dtype must be one of {STORE_DTYPES}, got {name!r}")
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def shard_names(num_shards: int) -> list[str]:
+    return [f"{DATASET_NAME}-{SPLIT}.array_record-{i:05d}-of-{num_shards:05d}" for i in range(num_shards)]
+
+
+# --------------------------------------------------------------------------------------------
+# record format
+# --------------------------------------------------------------------------------------------
+def tfds_features(caption_channels: int, store_dtype: str):
+    """The TFDS FeaturesDict of one record (needs tensorflow_datasets, not TensorFlow)."""
+    import tensorflow_datasets as tfds
+
+    return tfds.features.FeaturesDict(
+        {
+            "row": tfds.features.Scalar(dtype=np.int64),
+            "key": tfds.features.Text(),
+            "caption_hash": tfds.features.Text(),
+            "length": tfds.features.Scalar(dtype=np.int32),
+            "y": tfds.features.Tensor(
+                shape=(None, caption_channels),
+                dtype=np_dtype(store_dtype),
+                encoding=tfds.features.Encoding.BYTES,
+            ),
+        }
+    )
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterable[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a protobuf message: varint → int, LEN → bytes,
+    fixed32/64 → raw 4/8 bytes."""
+    pos, n = 0, len(buf)
+    while pos < n:
+        tag, pos = _varint(buf, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            val, pos = _varint(buf, pos)
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            val, pos = buf[pos : pos + size], pos + size
+        elif wire == 5:
+            val, pos = buf[pos : pos + 4], pos + 4
+        elif wire == 1:
+            val, pos = buf[pos : pos + 8], pos + 8
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        yield field, wire, val
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def parse_example(record: bytes) -> dict[str, list]:
+    """A serialized `tf.train.Example` → {feature name: list of bytes | int | float}, in pure
+    Python (no TensorFlow, no TFDS)."""
+    out: dict[str, list] = {}
+    for f, _, features in _fields(record):
+        if f != 1:
+            continue
+        for g, _, entry in _fields(features):
+            if g != 1:
+                continue
+            name, feature = None, b""
+            for h, _, v in _fields(entry):
+                if h == 1:
+                    name = bytes(v).decode("utf-8")
+                elif h == 2:
+                    feature = v
+            values: list = []
+            for kind, _, lst in _fields(feature):
+                for _, wire, v in _fields(lst):
+                    if kind == 1:  # BytesList
+                        values.append(bytes(v))
+                    elif kind == 2:  # FloatList (packed or not)
+                        values.extend(np.frombuffer(v, "<f4").tolist())
+                    elif kind == 3:  # Int64List
+                        if wire == 0:
+                            values.append(_signed64(v))
+                        else:
+                            p = 0
+                            while p < len(v):
+                                x, p = _varint(v, p)
+                                values.append(_signed64(x))
+            out[name] = values
+    return out
+
+
+def parse_record(record: bytes, caption_channels: int, store_dtype: str) -> dict[str, Any]:
+    """One cache record → {"row": int, "key": str, "caption_hash": str, "length": int,
+    "y": [length, D] in the stored dtype}."""
+    ex = parse_example(record)
+    missing = {"row", "key", "caption_hash", "length", "y"} - set(ex)
+    if missing:
+        raise ValueError(f"text-state record lacks features {sorted(missing)}")
+    length = int(ex["length"][0])
+    y = np.frombuffer(ex["y"][0], np_dtype(store_dtype)).reshape(-1, caption_channels)
+    if y.shape[0] != length:
+        raise ValueError(f"text-state record for row {ex['row'][0]}: y has {y.shape[0]} tokens, length says {length}")
+    return {
+        "row": int(ex["row"][0]),
+        "key": ex["key"][0].decode("utf-8"),
+        "caption_hash": ex["caption_hash"][0].decode("utf-8"),
+        "length": length,
+        "y": y,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+def write_cache(
+    out_dir: str,
+    texts: Sequence[str],
+    encoder,
+    *,
+    encoder_config: dict,
+    num_shards: int = 1,
+    batch_size: int = 16,
+    store_dtype: Optional[str] = None,
+    table_path: Optional[str] = None,
+    progress: bool = True,
+) -> dict:
+    """Encode `texts` (row i = table row i) with `encoder` (a `TextEncoder`) into `out_dir`.
+    Returns the manifest. `store_dtype` defaults to bfloat16 for a bf16 encoder, else float32."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+    from tqdm import tqdm
+
+    n = len(texts)
+    if n == 0:
+        raise ValueError("the table has no rows to encode")
+    if not 1 <= num_shards <= n:
+        raise ValueError(f"num_shards must be in [1, {n}] (rows), got {num_shards}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if store_dtype is None:
+        store_dtype = "bfloat16" if str(encoder_config.get("dtype", "float32")) == "bfloat16" else "float32"
+    sdt = np_dtype(store_dtype)
+    L, D = encoder.model_max_length, encoder.caption_channels
+    features = tfds_features(D, store_dtype)
+    names = shard_names(num_shards)
+    bounds = np.linspace(0, n, num_shards + 1).round().astype(int)
+    os.makedirs(out_dir, exist_ok=True)
+    for old in os.listdir(out_dir):  # a previous cache here is replaced (incomplete until the manifest)
+        if old == MANIFEST or old.startswith(f"{DATASET_NAME}-{SPLIT}.array_record-"):
+            os.remove(os.path.join(out_dir, old))
+    lengths, shard_lengths = [], []
+    bar = tqdm(total=n, desc="encoding captions", unit="caption", disable=not progress)
+    for s, name in enumerate(names):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        writer = ArrayRecordWriter(os.path.join(out_dir, name), "group_size:1")
+        try:
+            for start in range(lo, hi, batch_size):
+                batch = list(texts[start : min(hi, start + batch_size)])
+                y, mask = encoder.encode(batch)
+                for j, text in enumerate(batch):
+                    row = start + j
+                    m = mask[j].astype(bool)
+                    length = int(m.sum())
+                    if not np.all(m[:length]):
+                        raise ValueError(f"row {row}: attention mask is not a prefix of ones")
+                    h = caption_hash(text)
+                    rec = {
+                        "row": row,
+                        "key": f"{row}:{h}",
+                        "caption_hash": h,
+                        "length": length,
+                        "y": np.ascontiguousarray(y[j, 0, :length]).astype(sdt),
+                    }
+                    writer.write(features.serialize_example(rec))
+                    lengths.append(length)
+                bar.update(len(batch))
+        finally:
+            writer.close()
+        shard_lengths.append(hi - lo)
+    bar.close()
+    _write_tfds_metadata(out_dir, features, shard_lengths)
+    manifest = {
+        "format": FORMAT,
+        "encoder": encoder_config,
+        "table": table_path,
+        "table_fingerprint": table_fingerprint(texts),
+        "num_rows": n,
+        "model_max_length": L,
+        "caption_channels": D,
+        "dtype": store_dtype,
+        "shards": names,
+        "shard_lengths": shard_lengths,
+        "mean_length": float(np.mean(lengths)),
+    }
+    tmp = os.path.join(out_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, MANIFEST))
+    return manifest
+
+
+def _write_tfds_metadata(out_dir: str, features, shard_lengths: list[int]) -> None:
+    import tensorflow_datasets as tfds
+
+    num_bytes = sum(os.path.getsize(os.path.join(out_dir, p)) for p in shard_names(len(shard_lengths)))
+    template = tfds.core.ShardedFileTemplate(
+        data_dir=out_dir,
+        template=FILENAME_TEMPLATE,
+        dataset_name=DATASET_NAME,
+        split=SPLIT,
+        filetype_suffix="array_record",
+    )
+    split = tfds.core.SplitInfo(
+        name=SPLIT, shard_lengths=shard_lengths, num_bytes=num_bytes, filename_template=template
+    )
+    tfds.folder_dataset.write_metadata(
+        data_dir=out_dir,
+        features=features,
+        split_infos=[split],
+        filename_template=FILENAME_TEMPLATE,
+        check_data=False,
+        description="jaxsora T5 caption states (valid tokens only); see manifest.json",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+def _open_source(paths: list[str]):
+    try:
+        from array_record.python.array_record_data_source import ArrayRecordDataSource
+    except ImportError:  # grain bundles the same reader
+        from grain.sources import ArrayRecordDataSource
+    return ArrayRecordDataSource(paths)
+
+
+class TextStateCache:
+    """Random access to a cache directory written by `data_tools.precompute`.
+
+    `lookup(rows [b] int, texts [b] str) -> (y [b, 1, L, D] float32, mask [b, L] int32)`.
+    Picklable (the reader reopens lazily), so it can run inside grain workers.
+    """
+
+    def __init__(self, cache_dir: str):
+        self.dir = cache_dir
+        path = os.path.join(cache_dir, MANIFEST)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{cache_dir}: no {MANIFEST} (not a text-state cache, or precompute did not finish)"
+            )
+        with open(path) as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        for name in self.manifest["shards"]:
+            if not os.path.exists(os.path.join(cache_dir, name)):
+                raise FileNotFoundError(f"{cache_dir}: shard {name!r} listed in {MANIFEST} is missing")
+        self.model_max_length = int(self.manifest["model_max_length"])
+        self.caption_channels = int(self.manifest["caption_channels"])
+        self.dtype = self.manifest["dtype"]
+        self.num_rows = int(self.manifest["num_rows"])
+        self._source = None
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_source"] = None
+        return d
+
+    @property
+    def source(self):
+        if self._source is None:
+            self._source = _open_source([os.path.join(self.dir, p) for p in self.manifest["shards"]])
+        return self._source
+
+    def check_table(self, texts: Sequence[str]) -> None:
+        """Raise `StaleCacheError` unless `texts` is exactly the table the cache was made from."""
+        if len(texts) != self.num_rows:
+            raise StaleCacheError(f"{self.dir}: cache has {self.num_rows} rows, the table has {len(texts)}")
+        if table_fingerprint(texts) != self.manifest["table_fingerprint"]:
+            bad = next(
+                (i for i, t in enumerate(texts) if caption_hash(t) != self.read(i)["caption_hash"]),
+                None,
+            )
+            raise StaleCacheError(f"{self.dir}: table captions changed since precompute (first at row {bad})")
+
+    def read(self, row: int) -> dict[str, Any]:
+        """The stored record of one row (valid tokens only)."""
+        return self.read_many([row])[0]
+
+    def read_many(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        rows = [int(r) for r in rows]
+        for r in rows:
+            if not 0 <= r < self.num_rows:
+                raise IndexError(f"{self.dir}: row {r} out of range (cache has {self.num_rows} rows)")
+        raw = self.source.__getitems__(rows)
+        recs = [parse_record(b, self.caption_channels, self.dtype) for b in raw]
+        for r, rec in zip(rows, recs):
+            if rec["row"] != r:
+                raise ValueError(f"{self.dir}: record at index {r} holds row {rec['row']} (corrupt cache)")
+        return recs
+
+    def lookup(self, rows: np.ndarray, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.asarray(rows).reshape(-1)
+        if len(texts) != len(rows):
+            raise ValueError(f"lookup: {len(rows)} rows but {len(texts)} texts")
+        L, D = self.model_max_length, self.caption_channels
+        y = np.zeros((len(rows), 1, L, D), np.float32)
+        mask = np.zeros((len(rows), L), np.int32)
+        for i, (rec, text) in enumerate(zip(self.read_many(rows), texts)):
+            if rec["caption_hash"] != caption_hash(str(text)):
+                raise StaleCacheError(
+                    f"{self.dir}: row {rec['row']}: caption differs from the one cached "
+                    f"(hash {caption_hash(str(text))} vs {rec['caption_hash']}); "
+                    "rerun data_tools.precompute"
+                )
+            n = rec["length"]
+            y[i, 0, :n] = rec["y"].astype(np.float32)
+            mask[i, :n] = 1
+        return y, mask
