@@ -70,11 +70,17 @@ def read_config(step_dir: str) -> dict:
 
 
 def _flatten(tree, prefix=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
+    """Flatten nested dicts/nnx.State to {path of str: leaf}. An untargeted orbax restore of an
+    nnx.State keeps each Variable as {"value": array}; that level is dropped."""
+    if hasattr(tree, "items") and not hasattr(tree, "shape"):
+        items = dict(tree.items())
+        if set(items) == {"value"} and not hasattr(items["value"], "items"):
+            yield prefix, items["value"]
+            return
+        for k, v in items.items():
             yield from _flatten(v, prefix + (str(k),))
     else:
-        yield prefix, tree
+        yield prefix, getattr(tree, "value", tree) if not hasattr(tree, "shape") else tree
 
 
 def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) -> tuple[STDiT3Config, dict]:
