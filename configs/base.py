@@ -1,0 +1,72 @@
+"""Base config: Open-Sora 1.2 settings shared by every stage (spec §7.1).
+
+Stages import this module and change what differs. Every value can be overridden on the command
+line: `python -m jaxsora.train --config configs/stage1.py --config.optim.lr=2e-4`.
+"""
+import ml_collections as mlc
+
+# Open-Sora 1.2 stage 1 bucket_config: {resolution: {num_frames: (keep_prob, per-device batch)}};
+# a tuple keep_prob is (p_res, p_frames) (spec §4.4, §7.2).
+STAGE1_BUCKETS = {
+    "144p": {1: (1.0, 475), 51: (1.0, 51), 102: ((1.0, 0.33), 27), 204: ((1.0, 0.1), 13), 408: ((1.0, 0.1), 6)},
+    "256": {1: (0.4, 297), 51: (0.5, 20), 102: ((0.5, 0.33), 10), 204: ((0.5, 0.1), 5), 408: ((0.5, 0.1), 2)},
+    "240p": {1: (0.3, 297), 51: (0.4, 20), 102: ((0.4, 0.33), 10), 204: ((0.4, 0.1), 5), 408: ((0.4, 0.1), 2)},
+    "360p": {1: (0.2, 141), 51: (0.15, 8), 102: ((0.15, 0.33), 4), 204: ((0.15, 0.1), 2), 408: ((0.15, 0.1), 1)},
+    "512": {1: (0.1, 141)},
+    "480p": {1: (0.1, 89)},
+    "720p": {1: (0.05, 36)},
+    "1024": {1: (0.05, 36)},
+    "1080p": {1: (0.1, 5)},
+    "2048": {1: (0.1, 5)},
+}
+
+# Open-Sora 1.2 stage 1 mask_ratios (identity = the rest, 0.80).
+STAGE1_MASKS = {
+    "random": 0.05, "intepolate": 0.005, "quarter_random": 0.005, "quarter_head": 0.005, "quarter_tail": 0.005,
+    "quarter_head_tail": 0.005, "image_random": 0.025, "image_head": 0.05, "image_tail": 0.025,
+    "image_head_tail": 0.025,
+}
+
+
+def get_config():
+    c = mlc.ConfigDict()
+
+    c.model = mlc.ConfigDict(dict(
+        name="STDiT3-XL/2",
+        compute_dtype="bfloat16",       # Open-Sora 1.2 trains in bf16; parameters stay fp32 (masters)
+        remat=True,                     # grad_checkpoint=True in every 1.2 config
+        attention_impl="auto",          # cuDNN flash attention on GPU in bf16, XLA otherwise
+        freeze_y_embedder=True,         # every 1.2 stage config
+        class_dropout_prob=0.1,
+        fix_final_layer_double_mod=False,
+    ))
+    c.vae = mlc.ConfigDict(dict(kind="opensora", path="pretrained_models/OpenSora-VAE-v1.2", dtype="bfloat16"))
+    c.text_encoder = mlc.ConfigDict(dict(kind="t5", path="pretrained_models/t5-v1_1-xxl", model_max_length=300,
+                                         dtype="bfloat16"))
+    c.data = mlc.ConfigDict(dict(
+        table="",                       # --data-path
+        bucket_config=STAGE1_BUCKETS,
+        frame_interval=1,
+        num_workers=8,
+        seed=42,
+    ))
+    c.scheduler = mlc.ConfigDict(dict(
+        sample_method="logit-normal", use_timestep_transform=True, loc=0.0, scale=1.0, transform_scale=1.0,
+    ))
+    c.mask_ratios = mlc.ConfigDict(STAGE1_MASKS)
+    c.optim = mlc.ConfigDict(dict(
+        lr=1e-4, betas=(0.9, 0.999), eps=1e-15, weight_decay=0.0, grad_clip=1.0,
+        lr_schedule="linear_warmup", warmup_steps=1000,
+        min_lr=0.0, max_lr=0.0, cooldown_steps=0, anneal_strategy="cos",
+        ema_decay=0.99,
+    ))
+    c.mesh = mlc.ConfigDict(dict(data=-1, fsdp=1, sequence=1))
+    c.train = mlc.ConfigDict(dict(
+        outputs="outputs", experiment="stdit3-xl2", seed=42,
+        max_steps=100_000, ckpt_every=200, keep_ckpts=3, log_every=10,
+        max_nonfinite_steps=5, watchdog_factor=10.0, watchdog_min_seconds=300.0,
+        async_checkpoint=True, compilation_cache=True,
+    ))
+    c.wandb = mlc.ConfigDict(dict(enabled=False, project="jaxsora", mode="online", name=""))
+    c.sample = mlc.ConfigDict(dict(num_frames=51, height=240, width=426, fps=24))
+    return c

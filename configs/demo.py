@@ -1,0 +1,23 @@
+"""The CPU demo (`make demo`): a ~2M-parameter STDiT3 learning a synthetic video set in minutes.
+
+Pixel-space latents (IdentityVAE, 2× spatial average pooling) and a tiny random byte-level text
+encoder, so nothing is downloaded; everything else (rectified flow with the timestep shift, frame
+masks, AdamW + EMA, buckets, checkpoints) is the stage-1 machinery.
+"""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.update(dict(name="demo", compute_dtype="float32", remat=False, freeze_y_embedder=False))
+    c.vae = dict(kind="identity", downsample=(1, 2, 2))
+    c.text_encoder = dict(kind="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=128, model_max_length=48, seed=0)
+    c.data.table = "outputs/demo/data/meta.csv"
+    c.data.bucket_config = {"demo32": {1: (1.0, 8), 8: (1.0, 4)}}
+    c.data.num_workers = 0
+    c.optim.update(dict(lr=1e-3, warmup_steps=50, weight_decay=0.0, ema_decay=0.99))
+    c.mesh.update(dict(data=-1, fsdp=1, sequence=1))
+    c.train.update(dict(outputs="outputs", experiment="demo", max_steps=300, ckpt_every=100, log_every=20,
+                        watchdog_min_seconds=60.0))
+    c.sample.update(dict(num_frames=8, height=32, width=32, fps=8))
+    return c

@@ -1,0 +1,8 @@
+"""Open-Sora 1.2 stage 1 (spec §7.2): 144p–360p video + images, lr 1e-4, warmup 1000, masks 0.80 identity."""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.train.experiment = "stage1"
+    return c

@@ -1,0 +1,41 @@
+"""Ulysses sequence parallelism for the spatial self-attention (spec §1.8, as DeepSpeed-Ulysses).
+
+Image tokens are sharded over the `sequence` mesh axis. For attention, an all-to-all trades the
+sequence shard for a head shard (every device then sees all S tokens of H/sp heads), attention
+runs locally, and a second all-to-all trades back. Numerically the same as unsharded attention.
+`jax.nn.dot_product_attention` itself must not be sharded over the sequence, hence shard_map.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+
+def ulysses_attention(q, k, v, *, mesh: Optional[jax.sharding.Mesh], axis_name: str,
+                      attn_fn: Callable, batch_axes=("data", "fsdp")):
+    """q/k/v: [R, S, H, Dh] with S sharded over `axis_name` (R over the batch axes).
+
+    mesh None → the mesh set by `jax.set_mesh`. Heads must divide the axis size; otherwise (and
+    with an axis of size 1) attention runs as is and XLA gathers what it needs.
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or axis_name not in mesh.axis_names:
+        return attn_fn(q, k, v)
+    sp = mesh.shape[axis_name]
+    if sp == 1 or q.shape[2] % sp or q.shape[1] % sp:
+        return attn_fn(q, k, v)
+    rows = tuple(a for a in batch_axes if a in mesh.axis_names and mesh.shape[a] > 1)
+    rows_size = 1
+    for a in rows:
+        rows_size *= mesh.shape[a]
+    row_spec = (rows if len(rows) > 1 else rows[0]) if rows and q.shape[0] % rows_size == 0 else None
+    spec = P(row_spec, axis_name, None, None)
+
+    def local(q, k, v):  # [r, S/sp, H, Dh] → all-to-all → [r, S, H/sp, Dh]
+        gather = lambda x: jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
+        out = attn_fn(gather(q), gather(k), gather(v))
+        return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)

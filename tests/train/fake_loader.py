@@ -1,0 +1,60 @@
+"""An in-memory stand-in with the VideoLoader interface, for loop tests that need no video files:
+batches are a deterministic function of (seed, epoch, index), so resume exactness is checkable."""
+import hashlib
+import json
+
+import numpy as np
+
+try:
+    from jaxsora.data.plan import DataStateMismatch
+except ImportError:  # the data package's exception, once it exists
+    class DataStateMismatch(ValueError):
+        pass
+
+
+class FakeLoader:
+    def __init__(self, *, seed=0, data_parallel_size=1, per_device_batch=1, frames=4, size=(16, 16),
+                 steps_per_epoch=5, table_id="fake-v1"):
+        self.seed, self.dp, self.bs = seed, data_parallel_size, per_device_batch
+        self.frames, self.size, self.n = frames, size, steps_per_epoch
+        self.epoch = self.index = 0
+        self.num_skipped = 0
+        self.fp = hashlib.sha1(json.dumps([table_id, seed, data_parallel_size]).encode()).hexdigest()[:16]
+
+    def _batch(self, epoch, index):
+        rng = np.random.default_rng([self.seed, epoch, index])
+        b = self.bs * self.dp
+        t, (h, w) = self.frames, self.size
+        grid = np.linspace(-1, 1, w, dtype=np.float32)
+        phase = rng.uniform(0, 2, (b, 1, 1, 1, 1)).astype(np.float32)
+        video = np.sin(3 * grid[None, None, None, None, :] + phase + 0.3 * np.arange(t)[None, None, :, None, None])
+        video = np.broadcast_to(video, (b, 3, t, h, w)).astype(np.float32)
+        return dict(video=video, text=np.array([f"wave {p:.2f}" for p in phase.ravel()], object),
+                    fps=np.full(b, 24.0, np.float32), height=np.full(b, float(h), np.float32),
+                    width=np.full(b, float(w), np.float32), num_frames=np.full(b, t, np.int32),
+                    row=np.arange(b) + index * b, epoch=epoch, index=index + 1, bucket=("fake", t, h, w))
+
+    def __iter__(self):
+        while True:
+            while self.index < self.n:
+                batch = self._batch(self.epoch, self.index)
+                self.index += 1
+                yield batch
+            self.epoch, self.index = self.epoch + 1, 0
+
+    def steps_per_epoch(self, epoch=0):
+        return self.n
+
+    def describe_plan(self, epoch=0):
+        return [(("fake", self.frames, *self.size), self.n, self.bs * self.dp)]
+
+    def state(self):
+        return dict(epoch=self.epoch, index=self.index, fingerprint=self.fp)
+
+    def restore(self, state, reset=False):
+        if reset:
+            self.epoch = self.index = 0
+            return
+        if state["fingerprint"] != self.fp:
+            raise DataStateMismatch(f"the data changed since the checkpoint ({state['fingerprint']} → {self.fp})")
+        self.epoch, self.index = state["epoch"], state["index"]
