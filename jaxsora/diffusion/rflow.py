@@ -2,206 +2,329 @@
 
 Convention: t ∈ [0, 1000]; t = 1000 is pure noise, t = 0 is data. With τ = t/1000,
 x_t = (1 − τ)·x₀ + τ·ε, and the model predicts the velocity v = x₀ − ε (channels 0..C−1 of
-its output). Noise and timesteps always come from a `jax.random` key.
+its output; STDiT3's other C channels are unused). Noise and timesteps always come from a
+`jax.random` key; nothing draws from global state.
 
-The training loss and the sampler here are the ones `jaxsora.train` and `jaxsora.sample` call.
+`training_loss` and `sample` here are THE functions `jaxsora.train` and `jaxsora.sample` call.
+
+Deliberate differences from the reference (everything else is equal to it, see tests/diffusion):
+- `timestep_transform` counts at least 1 latent frame. The reference maps 1 < frames < 17 to
+  `frames // 17 * 5 = 0` latent frames, so its ratio is 0 and t = 1000 becomes 0/0 = NaN.
+- `timestep_transform` clips its result to [0, 1000]. The reference's float32 arithmetic can give
+  1000.0001 at t = 1000 (e.g. 64×64 px, 17 frames); in its sampler that makes `mask·1000 < t`, so
+  with an edit mask every frame is treated as a condition frame in the first step.
+- In `sample`, reference latents `x_cond` are written into z only where the edit mask is < 1
+  (upstream's `apply_mask_strategy` also overwrites frames whose edit ratio is 1).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 # Open-Sora 1.2: 1000 training timesteps (RFlowScheduler.num_timesteps).
 NUM_TIMESTEPS = 1000
-# Open-Sora 1.2 timestep transform constants: base resolution 512·512 pixels, base 1 frame,
-# and the VAE's hard-coded pixel→latent frame map `n // 17 * 5`.
+# Open-Sora 1.2 timestep_transform defaults: base_resolution = 512·512 pixels, base_num_frames = 1,
+# and the VAE's hard-coded pixel → latent frame map `num_frames // 17 * 5` (rectified_flow.py).
 BASE_RESOLUTION = 512 * 512
+BASE_NUM_FRAMES = 1
 VAE_FRAME_CHUNK, VAE_LATENT_PER_CHUNK = 17, 5
-# Open-Sora 1.2 eval loss: 10 interior points of linspace(0, 1000, 12) (eval/loss/eval_loss.py).
+# Open-Sora 1.2 eval loss: t ∈ linspace(0, 1000, num_eval_timesteps + 2)[1:-1], default 10
+# (eval/loss/eval_loss.py).
 NUM_EVAL_TIMESTEPS = 10
+# Open-Sora 1.2 inference config (configs/opensora-v1-2/inference/sample.py): 30 steps, cfg 7.0.
+DEFAULT_SAMPLING_STEPS = 30
+DEFAULT_CFG_SCALE = 7.0
 
 ModelFn = Callable[..., jax.Array]
+
+
+# --------------------------------------------------------------------------------------------
+# timesteps
+# --------------------------------------------------------------------------------------------
+def latent_frames_for_shift(num_frames):
+    """Latent frame count the timestep shift uses: `frames // 17 * 5` (Open-Sora 1.2's hard-coded
+    VAE ratio), at least 1 (ours; the reference gives 0 for 1 < frames < 17). num_frames: [B] pixel
+    frames. The image case (frames[0] == 1 → n = 1) is handled by `timestep_transform`."""
+    nf = jnp.asarray(num_frames, jnp.float32)
+    return jnp.maximum(jnp.floor(nf / VAE_FRAME_CHUNK) * VAE_LATENT_PER_CHUNK, 1.0)
 
 
 def timestep_transform(t, height, width, num_frames, scale: float = 1.0, num_timesteps: int = NUM_TIMESTEPS):
     """The resolution- and length-aware shift (SD3 §5.3.2 extended to video), spec §2.1.
 
-    t: [B] on 0..num_timesteps; height/width: [B] pixel sizes; num_frames: [B] pixel frame counts
-    (only sample 0 decides "image batch", as in the reference). Returns [B] float32.
-
-    Difference from the reference: for 1 < frames < 17 the reference maps to 0 latent frames,
-    so the ratio is 0 and t = 1000 gives 0/0 = NaN. Here the latent frame count is at least 1
-    (such clips are one VAE chunk, ≥ 1 latent frame), so the result is always finite; for every
-    other input it equals the reference.
+    t: [B] on 0..num_timesteps; height/width: [B] (or scalars) pixel sizes; num_frames: [B] (or a
+    scalar) pixel frame counts. As in the reference, sample 0 decides "image batch"
+    (num_frames[0] == 1 → n = 1 latent frame for every sample). Returns [B] float32 in
+    [0, num_timesteps]:  r = sqrt(h·w / 512²) · sqrt(n) · scale,  τ' = r·τ / (1 + (r − 1)·τ).
+    Never NaN for positive sizes (see the module docstring for the two deviations).
     """
-    t = jnp.asarray(t, jnp.float32) / num_timesteps
-    h = jnp.asarray(height, jnp.float32)
-    w = jnp.asarray(width, jnp.float32)
-    nf = jnp.asarray(num_frames, jnp.float32)
+    t = jnp.atleast_1d(jnp.asarray(t, jnp.float32))
+    h = jnp.broadcast_to(jnp.asarray(height, jnp.float32), t.shape)
+    w = jnp.broadcast_to(jnp.asarray(width, jnp.float32), t.shape)
+    nf = jnp.broadcast_to(jnp.asarray(num_frames, jnp.float32), t.shape)
+    tau = t / num_timesteps
     ratio_space = jnp.sqrt(h * w / BASE_RESOLUTION)
-    latent = jnp.floor(nf / VAE_FRAME_CHUNK) * VAE_LATENT_PER_CHUNK
-    latent = jnp.maximum(latent, 1.0)
-    n = jnp.where(nf[0] == 1, jnp.ones_like(nf), latent)
-    ratio = ratio_space * jnp.sqrt(n) * scale
-    new_t = ratio * t / (1 + (ratio - 1) * t)
-    return new_t * num_timesteps
+    n = jnp.where(nf[0] == 1, jnp.ones_like(nf), latent_frames_for_shift(nf))
+    ratio = ratio_space * jnp.sqrt(n / BASE_NUM_FRAMES) * scale
+    new_tau = ratio * tau / (1 + (ratio - 1) * tau)
+    return jnp.clip(new_tau * num_timesteps, 0.0, float(num_timesteps))
 
 
 def logit_normal_t(eps, loc: float = 0.0, scale: float = 1.0, num_timesteps: int = NUM_TIMESTEPS):
-    """sigmoid(loc + scale·ε)·1000 — the reference's 1-D LogisticNormal draw."""
+    """t = sigmoid(loc + scale·ε)·1000 for standard-normal ε [B]: the first simplex component of the
+    reference's 1-D `LogisticNormal(loc, scale)` draw, scaled to 0..1000."""
     return jax.nn.sigmoid(loc + scale * jnp.asarray(eps, jnp.float32)) * num_timesteps
 
 
 def sample_t(key, batch: int, *, sample_method: str = "logit-normal", loc: float = 0.0, scale: float = 1.0,
              num_timesteps: int = NUM_TIMESTEPS):
-    """Training timesteps [B] before the transform: uniform or logit-normal on 0..1000."""
+    """Training timesteps [B] before the transform: "uniform" U(0,1)·1000 or "logit-normal"
+    sigmoid(N(loc, scale))·1000 (RFlowScheduler.sample_method)."""
     if sample_method == "uniform":
         return jax.random.uniform(key, (batch,), jnp.float32) * num_timesteps
     if sample_method == "logit-normal":
         return logit_normal_t(jax.random.normal(key, (batch,), jnp.float32), loc, scale, num_timesteps)
-    raise ValueError(f"sample_method must be 'uniform' or 'logit-normal', got {sample_method!r}")
+    raise ValueError(f"scheduler sample_method must be 'uniform' or 'logit-normal', got {sample_method!r}")
 
 
+def eval_timesteps(num_eval_timesteps: int = NUM_EVAL_TIMESTEPS) -> np.ndarray:
+    """Eval-loss timesteps (spec §2.3): the interior points of linspace(0, 1000, n + 2), float32
+    [n] (83.3 … 916.7 for n = 10). No logit-normal draw and no shift."""
+    return np.linspace(0, NUM_TIMESTEPS, num_eval_timesteps + 2, dtype=np.float32)[1:-1]
+
+
+# --------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------
 def add_noise(x0, noise, t, num_timesteps: int = NUM_TIMESTEPS):
-    """(1 − t/1000)·x₀ + t/1000·ε, t: [B]."""
+    """x_t = (1 − t/1000)·x₀ + (t/1000)·ε.  x0/noise: [B, ...]; t: [B]."""
     tau = (jnp.asarray(t, jnp.float32) / num_timesteps).reshape((-1,) + (1,) * (x0.ndim - 1))
     return (1 - tau) * x0 + tau * noise
 
 
 def masked_mean(err, x_mask=None):
-    """Per-sample mean of err [B, C, T, H, W]; with x_mask [B, T] only over True frames
-    (the reference's `mean_flat(..., mask)`)."""
+    """Per-sample mean [B] of err [B, C, T, H, W]: over all of C, T, H, W, or with x_mask [B, T]
+    over C, H, W and the True frames only: Σ_{t: mask} Σ_{c,h,w} err / (#True · C·H·W), as the
+    reference's `mean_flat(err, mask)`."""
     if x_mask is None:
         return jnp.mean(err, axis=tuple(range(1, err.ndim)))
-    m = x_mask.astype(err.dtype)[:, None, :, None, None]
+    m = jnp.asarray(x_mask).astype(err.dtype)
     per_frame = err.shape[1] * err.shape[3] * err.shape[4]
-    return jnp.sum(err * m, axis=(1, 2, 3, 4)) / (jnp.sum(x_mask.astype(err.dtype), axis=1) * per_frame)
+    return jnp.einsum("bcthw,bt->b", err, m) / (jnp.sum(m, axis=1) * per_frame)
 
 
 def training_loss_explicit(model_fn: ModelFn, x0, cond: dict, noise, t, *, x_mask=None):
-    """Per-sample loss [B] for given noise and (already transformed) t.
+    """Per-sample loss [B] for given noise ε [B, C, T, H, W] and (already transformed) t [B].
 
-    Frames with x_mask == False are fed clean (x_t = x₀) and left out of the loss; x_mask is also
-    passed to the model (as scripts/train.py does).
+    x_t = add_noise(x₀, ε, t); frames with x_mask [B, T] == False are fed clean (x_t = x₀) and left
+    out of the loss; x_mask is also passed to the model as `x_mask=` (as scripts/train.py does).
+    model_fn(x_t, t, **cond) → [B, ≥C, T, H, W]; the first C channels are the velocity, whose
+    target is x₀ − ε. Squared error in float32, no per-timestep weighting.
     """
+    x0 = jnp.asarray(x0)
+    t = jnp.asarray(t, jnp.float32)
     x_t = add_noise(x0, noise, t)
     kwargs = dict(cond)
     if x_mask is not None:
-        x_t = jnp.where(x_mask[:, None, :, None, None], x_t, x0)
+        x_mask = jnp.asarray(x_mask, bool)
+        x_t = jnp.where(x_mask[:, None, :, None, None], x_t, x0)  # = add_noise(x0, noise, 0)
         kwargs["x_mask"] = x_mask
     out = model_fn(x_t, t, **kwargs)
     v_pred = out[:, : x0.shape[1]].astype(jnp.float32)
-    err = jnp.square(v_pred - (x0 - noise).astype(jnp.float32))
-    return masked_mean(err, x_mask)
+    target = (x0 - noise).astype(jnp.float32)
+    return masked_mean(jnp.square(v_pred - target), x_mask)
 
 
 def training_loss(model_fn: ModelFn, x0, cond: dict, key, *, x_mask=None, height, width, num_frames,
                   sample_method: str = "logit-normal", loc: float = 0.0, scale: float = 1.0,
-                  use_timestep_transform: bool = True, transform_scale: float = 1.0):
-    """The training objective (RFlowScheduler.training_losses): draw t and ε from `key`, shift t
-    by resolution and length, return the per-sample loss [B]."""
+                  use_timestep_transform: bool = True, transform_scale: float = 1.0, noise_dtype=jnp.float32):
+    """The training objective (RFlowScheduler.training_losses), per-sample loss [B].
+
+    x0: [B, C, T, H, W] clean latents; cond: model kwargs (y [B, 1, L, D], mask [B, L], fps,
+    height, width [B]); key: a `jax.random` key, split into the t draw and the noise draw.
+    height/width: [B] pixel sizes, num_frames: [B] pixel frame counts (for the shift).
+    t ~ sample_method (Open-Sora 1.2 stages: logit-normal, loc 0, scale 1, transform on), then
+    shifted by `timestep_transform(t, height, width, num_frames, scale=transform_scale)`.
+    noise_dtype: the dtype ε is drawn in (the reference trains with bf16 noise; default float32).
+    """
     k_t, k_noise = jax.random.split(key)
-    b = x0.shape[0]
-    t = sample_t(k_t, b, sample_method=sample_method, loc=loc, scale=scale)
+    t = sample_t(k_t, x0.shape[0], sample_method=sample_method, loc=loc, scale=scale)
     if use_timestep_transform:
         t = timestep_transform(t, height, width, num_frames, scale=transform_scale)
-    noise = jax.random.normal(k_noise, x0.shape, jnp.float32)
+    noise = jax.random.normal(k_noise, x0.shape, noise_dtype).astype(jnp.float32)
     return training_loss_explicit(model_fn, x0, cond, noise, t, x_mask=x_mask)
 
 
-def eval_timesteps(num_eval_timesteps: int = NUM_EVAL_TIMESTEPS) -> np.ndarray:
-    """Eval-loss timesteps (spec §2.3): the interior points of linspace(0, 1000, n + 2)."""
-    return np.linspace(0, NUM_TIMESTEPS, num_eval_timesteps + 2)[1:-1].astype(np.float32)
+def eval_loss(model_fn: ModelFn, x0, cond: dict, key, *, x_mask=None,
+              num_eval_timesteps: int = NUM_EVAL_TIMESTEPS):
+    """Eval loss (spec §2.3, eval/loss/eval_loss.py): per-sample loss at each of the fixed
+    `eval_timesteps(n)`, fresh noise per timestep (from `fold_in(key, i)`). Returns [n, B];
+    the reference's bucket figure is `mean over samples, then over the n timesteps`."""
+    ts = jnp.asarray(eval_timesteps(num_eval_timesteps))
+    b = x0.shape[0]
+
+    def one(i):
+        noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, jnp.float32)
+        return training_loss_explicit(model_fn, x0, cond, noise, jnp.full((b,), ts[i]), x_mask=x_mask)
+
+    return jax.lax.map(one, jnp.arange(num_eval_timesteps))
 
 
 # --------------------------------------------------------------------------------------------
 # sampling
 # --------------------------------------------------------------------------------------------
 def sampling_timesteps(num_sampling_steps: int, height, width, num_frames, use_timestep_transform: bool = True):
-    """The t fed to the model at each step, [steps, B]: t_i = (1 − i/N)·1000, shifted with the
-    inference height/width/frames (RFLOW.sample)."""
+    """The t fed to the model at each step, float32 [steps, B] (the refharness's shape; B is the
+    length of height/width/num_frames, 1 for scalars): t_i = (1 − i/N)·1000 for i = 0..N−1, shifted
+    by `timestep_transform` with the inference height/width/frames (RFLOW.sample)."""
     h = jnp.atleast_1d(jnp.asarray(height, jnp.float32))
-    w = jnp.broadcast_to(jnp.atleast_1d(jnp.asarray(width, jnp.float32)), h.shape)
-    nf = jnp.broadcast_to(jnp.atleast_1d(jnp.asarray(num_frames, jnp.float32)), h.shape)
+    w = jnp.atleast_1d(jnp.asarray(width, jnp.float32))
+    nf = jnp.atleast_1d(jnp.asarray(num_frames, jnp.float32))
+    b = max(h.shape[0], w.shape[0], nf.shape[0])
+    h, w, nf = (jnp.broadcast_to(a, (b,)) for a in (h, w, nf))
     base = (1.0 - jnp.arange(num_sampling_steps, dtype=jnp.float32) / num_sampling_steps) * NUM_TIMESTEPS
-    ts = jnp.broadcast_to(base[:, None], (num_sampling_steps, h.shape[0]))
+    ts = jnp.broadcast_to(base[:, None], (num_sampling_steps, b))
     if use_timestep_transform:
         ts = jax.vmap(lambda t: timestep_transform(t, h, w, nf))(ts)
     return ts
 
 
-def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps: int = 30, cfg_scale: float = 7.0,
-           height, width, num_frames, mask=None, x_cond=None, use_timestep_transform: bool = True,
-           progress: bool = True):
-    """Classifier-free-guided Euler sampling (RFLOW.sample, spec §2.4). Open-Sora 1.2 inference
-    uses 30 steps and cfg 7.0.
+def _cfg_cond(cond: dict, null_y):
+    """Model kwargs for the [cond; uncond] double batch: y = [y; null_y], every other [B, ...]
+    entry repeated (the text mask too: the null caption uses the prompt's token count)."""
+    out = {}
+    for k, v in cond.items():
+        if v is None:
+            continue
+        v = jnp.asarray(v)
+        out[k] = v if v.ndim == 0 else jnp.concatenate([v, v], 0)
+    y = jnp.asarray(cond["y"])
+    out["y"] = jnp.concatenate([y, jnp.broadcast_to(jnp.asarray(null_y, y.dtype), y.shape)], 0)
+    return out
 
-    z: [B, C, T, H, W] initial noise; cond: model kwargs with y [B, 1, L, D], mask [B, L] (text),
-    fps/height/width; null_y: [B, 1, L, D] null caption (the model's y_embedding), used with the
-    prompt's own text mask. mask: [B, T] float edit mask (1 = generate, 0 = keep the condition
-    frame, in between = partial edit); x_cond: [B, C, T, H, W] latents whose frames are written
-    into z where mask < 1 (image-to-video, extension). Returns z [B, C, T, H, W] float32.
 
-    The loop is one jitted `lax.fori_loop`; progress goes to a host tqdm bar through
-    `jax.debug.callback`.
-    """
-    b, c = z.shape[:2]
-    ts = sampling_timesteps(num_sampling_steps, height, width, num_frames, use_timestep_transform)
-    ts = jnp.broadcast_to(ts, (num_sampling_steps, b))
-    dts = jnp.concatenate([ts[:-1] - ts[1:], ts[-1:]], axis=0) / NUM_TIMESTEPS
+def _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress):
+    """The jit-friendly body of `sample` (see there). ts: [steps, B]."""
+    steps, b = ts.shape
+    c = z.shape[1]
+    dts = jnp.concatenate([ts[:-1] - ts[1:], ts[-1:]], axis=0) / NUM_TIMESTEPS  # last Δ = t_{N−1}
     z = jnp.asarray(z, jnp.float32)
-    if mask is not None and x_cond is not None:
-        keep = (jnp.asarray(mask) < 1)[:, None, :, None, None]
-        z = jnp.where(keep, jnp.asarray(x_cond, jnp.float32), z)
-    cond2 = {k: (jnp.concatenate([v, v], 0) if k != "y" else v) for k, v in cond.items()}
-    cond2["y"] = jnp.concatenate([cond["y"], null_y], 0)
-    bar = _ProgressBar(num_sampling_steps) if progress else None
+    if step_noise is not None:
+        step_noise = jnp.asarray(step_noise, jnp.float32)
+        if step_noise.shape != (steps,) + z.shape:
+            raise ValueError(f"step_noise must be [steps, *z.shape] = {(steps,) + z.shape}, got {step_noise.shape}")
+    if mask is not None:
+        mask = jnp.asarray(mask, jnp.float32)
+        if mask.shape != (b, z.shape[2]):
+            raise ValueError(f"sample: edit mask must be [B, T] = {(b, z.shape[2])}, got {mask.shape}")
+        if x_cond is not None:
+            z = jnp.where((mask < 1)[:, None, :, None, None], jnp.asarray(x_cond, jnp.float32), z)
+    cond2 = _cfg_cond(cond, null_y)
 
     def body(i, carry):
-        z, noise_added, key = carry
+        z, noise_added = carry
         t = ts[i]
         kwargs = dict(cond2)
-        mask_t_upper = None
         if mask is not None:
-            key, k = jax.random.split(key)
-            mask_t = jnp.asarray(mask, jnp.float32) * NUM_TIMESTEPS
+            # RFLOW.sample: a frame is generated at this step iff mask·1000 ≥ t; frames that newly
+            # qualify are re-noised to level t from the current z; the rest stay the reference.
             x0 = z
-            x_noise = add_noise(x0, jax.random.normal(k, z.shape, jnp.float32), t)
-            mask_t_upper = mask_t >= t[:, None]
-            kwargs["x_mask"] = jnp.concatenate([mask_t_upper, mask_t_upper], 0)
-            add = mask_t_upper & ~noise_added
-            z = jnp.where(add[:, None, :, None, None], x_noise, x0)
-            noise_added = mask_t_upper
+            eps = step_noise[i] if step_noise is not None else jax.random.normal(
+                jax.random.fold_in(key, i), z.shape, jnp.float32)
+            upper = mask * NUM_TIMESTEPS >= t[:, None]  # [B, T]
+            kwargs["x_mask"] = jnp.concatenate([upper, upper], 0)
+            fresh = upper & ~noise_added
+            z = jnp.where(fresh[:, None, :, None, None], add_noise(x0, eps, t), x0)
+            noise_added = upper
         out = model_fn(jnp.concatenate([z, z], 0), jnp.concatenate([t, t], 0), **kwargs)
         pred = out[:, :c].astype(jnp.float32)
-        v = pred[b:] + cfg_scale * (pred[:b] - pred[b:])
-        z_new = z + v * dts[i][:, None, None, None, None]
+        v = pred[b:] + cfg_scale * (pred[:b] - pred[b:])  # uncond + s·(cond − uncond)
+        z = z + v * dts[i][:, None, None, None, None]
         if mask is not None:
-            z_new = jnp.where(mask_t_upper[:, None, :, None, None], z_new, x0)
-        if bar is not None:
-            jax.debug.callback(bar.update, i)
-        return z_new, noise_added, key
+            z = jnp.where(upper[:, None, :, None, None], z, x0)
+        if progress is not None:
+            jax.debug.callback(progress, i)
+        return z, noise_added
 
-    noise_added = (jnp.asarray(mask) == 1) if mask is not None else jnp.zeros((b, z.shape[2]), bool)
-    z, _, _ = jax.lax.fori_loop(0, num_sampling_steps, body, (z, noise_added, key))
-    if bar is not None:
-        z = jax.block_until_ready(z)
-        bar.close()
+    noise_added = (mask == 1) if mask is not None else jnp.zeros((b, z.shape[2]), bool)
+    z, _ = jax.lax.fori_loop(0, steps, body, (z, noise_added))
     return z
 
 
-class _ProgressBar:
-    def __init__(self, total):
-        from tqdm.auto import tqdm
+@functools.partial(jax.jit, static_argnames=("graphdef", "progress"))
+def _sample_module(graphdef, state, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress):
+    model = nnx.merge(graphdef, state)
+    return _sample_loop(model, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress)
 
-        self.bar = tqdm(total=total, desc="sampling", leave=False)
 
-    def update(self, i):
-        self.bar.n = int(i) + 1
-        self.bar.refresh()
+def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps: int = DEFAULT_SAMPLING_STEPS,
+           cfg_scale: float = DEFAULT_CFG_SCALE, height, width, num_frames, mask=None, x_cond=None,
+           use_timestep_transform: bool = True, progress: bool = True, step_noise=None):
+    """Classifier-free-guided Euler sampling (RFLOW.sample, spec §2.4) → z [B, C, T, H, W] float32.
 
-    def close(self):
-        self.bar.close()
+    model_fn: `model_fn(x, t, **kwargs)` → [2B, ≥C, T, H, W], or an `nnx.Module` with that call
+        (then the whole loop is one `jax.jit` with the parameters as arguments, cached per graph).
+        A plain callable runs the loop as one `lax.fori_loop` (wrap `sample` in your own jit to
+        compile the rest, e.g. `nnx.jit`).
+    z: [B, C, T, H, W] initial noise (Open-Sora seeds it separately; draw it from your own key).
+    cond: model kwargs for the prompts: y [B, 1, L, D], mask [B, L] (text), fps/height/width [B].
+    null_y: [B, 1, L, D] (or [L, D], broadcast) null caption, the model's `y_embedder.y_embedding`;
+        the unconditional half reuses the PROMPT's text mask, as the reference does.
+    height/width: [B] pixel sizes and num_frames: [B] pixel frames, for the timestep shift.
+    mask: [B, T] float edit mask (1 = generate, 0 = keep the condition frame, in between = edit
+        strength: the frame is noised to level mask·1000 and generated from there); None = plain
+        text-to-video (no x_mask passed to the model).
+    x_cond: [B, C, T, H, W] reference latents written into z where mask < 1 (image-to-video,
+        extension); None = z already holds them.
+    key: `jax.random` key for the re-noising of edited frames (only used with a mask; step i uses
+        `fold_in(key, i)`); step_noise: optional explicit [steps, B, C, T, H, W] noise instead.
+    Progress: `jax.debug.callback` from inside the loop into a host tqdm bar (progress=True).
+
+    Schedule: `sampling_timesteps(...)`; update z += v̂·(t_i − t_{i+1})/1000 (last step to 0);
+    v̂ = v_uncond + cfg_scale·(v_cond − v_uncond) on the first C output channels.
+    """
+    if mask is not None and step_noise is None and key is None:
+        raise ValueError("sample: an edit mask re-noises frames; pass key= (a jax.random key) or step_noise=")
+    ts = sampling_timesteps(num_sampling_steps, height, width, num_frames, use_timestep_transform)
+    ts = jnp.broadcast_to(ts, (num_sampling_steps, z.shape[0]))
+    bar = _HostProgress(num_sampling_steps) if progress else None
+    cfg_scale = jnp.asarray(cfg_scale, jnp.float32)
+    if isinstance(model_fn, nnx.Module):
+        graphdef, state = nnx.split(model_fn)
+        return _sample_module(graphdef, state, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, bar)
+    return _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, bar)
+
+
+class _HostProgress:
+    """tqdm bar driven by `jax.debug.callback(self, i)` from a compiled loop. It is a static jit
+    argument, equal by (total, desc) so the compiled sampler is reused; a cached executable calls
+    the instance it was traced with, so a bar opens at step 0 and closes at the last step on every
+    run. Repeated or late calls (e.g. one per device) are ignored."""
+
+    def __init__(self, total: int, desc: str = "sampling"):
+        self.total, self.desc, self.bar = total, desc, None
+
+    def __eq__(self, other):
+        return isinstance(other, _HostProgress) and (self.total, self.desc) == (other.total, other.desc)
+
+    def __hash__(self):
+        return hash((_HostProgress, self.total, self.desc))
+
+    def __call__(self, i):
+        i = int(i)
+        if self.bar is None:
+            if i != 0:
+                return
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, desc=self.desc, leave=False)
+        if i + 1 > self.bar.n:
+            self.bar.update(i + 1 - self.bar.n)
+        if i + 1 >= self.total:
+            self.bar.close()
+            self.bar = None
