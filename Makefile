@@ -25,8 +25,21 @@ test: install
 lint: install
 	$(VPY) -m ruff check jaxsora data_tools bench tests configs
 
+# The CPU demo: synthetic videos → train a small STDiT3 → checkpoint → sample an mp4 → export to PyTorch.
+DEMO ?= outputs/demo
 demo: install
-	@echo "make demo arrives with the training system (issue 6); it is not there yet." >&2; exit 1
+	$(VPY) -m data_tools.synthetic --out $(DEMO)/data --preset demo
+	$(VPY) -m jaxsora.train --config configs/demo.py --data-path $(DEMO)/data/meta.csv --outputs outputs
+	$(VPY) -m jaxsora.sample --ckpt $(DEMO)/checkpoints --ema --out $(DEMO)/samples \
+		--prompt-file $(DEMO)/data/prompts.txt
+	$(VPY) -m jaxsora.convert to-torch $(DEMO)/checkpoints $(DEMO)/stdit3_demo_ema.safetensors --ema
+	@echo
+	@echo "demo done:"
+	@echo "  data         $(DEMO)/data (meta.csv, videos)"
+	@echo "  training log $(DEMO)/metrics.jsonl"
+	@echo "  checkpoints  $(DEMO)/checkpoints"
+	@echo "  samples      $(DEMO)/samples"
+	@echo "  PyTorch      $(DEMO)/stdit3_demo_ema.safetensors (Open-Sora STDiT3 state dict)"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -5,10 +5,14 @@
 """
 import os
 import pathlib
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One persistent compilation cache for the whole session, subprocesses included (the loop tests
+# compile the same small train step many times).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxsora-test-jax-cache"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -100,7 +100,7 @@ def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) ->
         raise ValueError(f"{step_dir}/state has no {key!r} entry (it has {sorted(state)})")
     flat = {p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[key])}
     # Non-trainable model variables may be stored beside the params (e.g. "buffers").
-    for extra in ("buffers", "model_state"):
+    for extra in ("frozen", "buffers", "model_state"):
         if extra in state:
             flat.update({p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[extra]) if p not in flat})
     return cfg, flat

@@ -57,7 +57,10 @@ class Checkpointer:
 
 
 def _abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    """ShapeDtypeStructs carrying the target shardings. `shardings` may be a prefix of `tree` (one
+    NamedSharding per nnx Variable); it is broadcast over each subtree first."""
+    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings, tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, full)
 
 
 def restore(directory: str, abstract_state, shardings, *, step: Optional[int] = None,

@@ -197,7 +197,9 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     tcfg = config.train
     outdir = os.path.abspath(os.path.join(tcfg.outputs, tcfg.get("experiment", "run")))
     os.makedirs(outdir, exist_ok=True)
-    if tcfg.get("compilation_cache", True):  # shared by every experiment under the outputs folder
+    # The persistent compilation cache: shared by every experiment under the outputs folder, unless
+    # one is already set (JAX_COMPILATION_CACHE_DIR).
+    if tcfg.get("compilation_cache", True) and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(tcfg.outputs), "jax_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
@@ -205,7 +207,7 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     rules = logical_rules_for(config.mesh)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
 
-    text_encoder = build.build_text_encoder_from_config(config.text_encoder)
+    text_encoder = build.build_text_encoder_from_config(config.text_encoder, mesh=mesh, rules=rules)
     vae = build.build_vae_from_config(config.vae)
     mcfg = build.build_model_config(config.model, in_channels=vae.out_channels,
                                     caption_channels=text_encoder.caption_channels,
@@ -250,19 +252,14 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
             print(f"[jaxsora] resumed {opts.load} at step {restored['step']}"
                   f"{' (data order restarted)' if opts.start_from_scratch else ''}")
 
-    encode_video = _video_encoder(vae)
-    te_graphdef, te_state = text_encoder.graphdef, text_encoder.state
-
-    def encode_text(ids, mask):
-        return nnx.merge(te_graphdef, te_state)(ids, mask).astype(jnp.float32)
-
+    encoders, encode_video, encode_text = _encoders(vae, text_encoder)
     step_fn = make_train_step(graphdef, tx, encode_video=encode_video, encode_text=encode_text,
                               scheduler_cfg=_plain(config.scheduler), mask_ratios=_plain(config.mask_ratios) or None,
                               ema_decay=float(config.optim.ema_decay), lr_fn=lr_fn)
 
-    def _step(state, batch):
+    def _step(state, batch, encoders):
         with logical_rules(rules):
-            return step_fn(state, batch)
+            return step_fn(state, batch, encoders)
 
     jit_step = jax.jit(_step, donate_argnums=(0,), out_shardings=(shardings, None))
     batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
@@ -300,7 +297,7 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
             t_data = time.monotonic() - t0
             batch = _global_batch(host, text_encoder, batch_sharding)
             watchdog.begin()
-            state, metrics = jit_step(state, batch)
+            state, metrics = jit_step(state, batch, encoders)
             metrics = jax.device_get(metrics)
             watchdog.end()
             dt = time.monotonic() - t0
@@ -371,11 +368,23 @@ def _match_param_shardings(opt_state, params, p_sh, default):
     return walk(opt_state, default)
 
 
-def _video_encoder(vae):
-    def encode(video, key):
-        return vae.encode(video, key)
+def _encoders(vae, text_encoder):
+    """(frozen weights pytree, encode_video, encode_text): the weights travel as jit arguments."""
+    te_graphdef = text_encoder.graphdef
+    weights = {"t5": text_encoder.state}
+    if isinstance(vae, nnx.Module):
+        vae_graphdef, weights["vae"] = nnx.split(vae)
 
-    return encode
+        def encode_video(enc, video, key):
+            return nnx.merge(vae_graphdef, enc["vae"]).encode(video, key)
+    else:  # parameter-free (IdentityVAE)
+        def encode_video(enc, video, key):
+            return vae.encode(video, key)
+
+    def encode_text(enc, ids, mask):
+        return nnx.merge(te_graphdef, enc["t5"])(ids, mask).astype(jnp.float32)
+
+    return weights, encode_video, encode_text
 
 
 def _tokens(video_shape, vae, mcfg) -> int:

@@ -46,14 +46,14 @@ def init_state(model: STDiT3, tx: optax.GradientTransformation, seed: int) -> tu
         params=params,
         frozen=frozen,
         opt_state=tx.init(params),
-        ema=jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
+        ema=jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params),  # not an alias: both are donated
         rng=jax.random.key_data(jax.random.key(seed)),
     )
     return graphdef, state
 
 
 def weight_norm(params) -> jax.Array:
-    return optax.global_norm(params)
+    return optax.tree.norm(params)
 
 
 def make_train_step(
@@ -67,21 +67,23 @@ def make_train_step(
     ema_decay: float,
     lr_fn: Callable,
 ):
-    """Returns `step(state, batch) -> (state, metrics)` (not yet jitted; see `jit_train_step`).
+    """Returns `step(state, batch, encoders) -> (state, metrics)`, to be jitted by the caller.
 
     batch: video [B, 3, T, H, W] f32 in [-1, 1]; ids/text_mask [B, L] int32; fps/height/width
     [B] f32 (pixels); num_frames [B] f32 (pixel frames).
-    encode_video(video, key) → latents [B, C, T', H', W'] (frozen, no gradient);
-    encode_text(ids, text_mask) → [B, L, D] text states (frozen).
+    encoders: the frozen encoders' weights (any pytree), passed as jit *arguments* so that large
+    VAE/T5 weights are not baked into the executable as constants.
+    encode_video(encoders, video, key) → latents [B, C, T', H', W'] (no gradient);
+    encode_text(encoders, ids, text_mask) → [B, L, D] text states (no gradient).
     """
     mask_gen = MaskGenerator(dict(mask_ratios)) if mask_ratios else None
     sched = dict(scheduler_cfg or {})
 
-    def step(state: TrainState, batch: dict):
+    def step(state: TrainState, batch: dict, encoders=None):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         k_vae, k_mask, k_loss, k_drop = jax.random.split(key, 4)
-        x0 = jax.lax.stop_gradient(encode_video(batch["video"], k_vae).astype(jnp.float32))
-        y = jax.lax.stop_gradient(encode_text(batch["ids"], batch["text_mask"]))[:, None]
+        x0 = jax.lax.stop_gradient(encode_video(encoders, batch["video"], k_vae).astype(jnp.float32))
+        y = jax.lax.stop_gradient(encode_text(encoders, batch["ids"], batch["text_mask"]))[:, None]
         b, t = x0.shape[0], x0.shape[2]
         x_mask = mask_gen.get_masks(k_mask, b, t) if mask_gen is not None else None
         cond = dict(y=y, mask=batch["text_mask"], fps=batch["fps"], height=batch["height"], width=batch["width"])
@@ -99,7 +101,7 @@ def make_train_step(
             return jnp.mean(per_sample)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,18 @@
+"""The small training config shared by the loop tests (a ~100k-parameter STDiT3, tiny T5)."""
+import os
+
+from configs import demo
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def small_config(outputs, *, max_steps=6, ckpt_every=3, mesh=(-1, 1, 1), experiment="run", **train_kw):
+    c = demo.get_config()
+    c.data.table = os.path.join(REPO, "pyproject.toml")  # any existing file: the fake loader ignores it
+    c.model.update(dict(depth=1, hidden_size=32, num_heads=2))
+    c.text_encoder.update(dict(d_model=16, num_layers=1, num_heads=2, d_ff=32, model_max_length=16))
+    c.mesh.update(dict(data=mesh[0], fsdp=mesh[1], sequence=mesh[2]))
+    c.optim.update(dict(warmup_steps=2))
+    c.train.update(dict(outputs=str(outputs), experiment=experiment, max_steps=max_steps, ckpt_every=ckpt_every,
+                        log_every=1, async_checkpoint=True, **train_kw))
+    return c

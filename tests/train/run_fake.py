@@ -1,0 +1,45 @@
+"""Subprocess entry for loop tests: train the small test config on the fake loader.
+
+usage: run_fake.py OUTPUTS MAX_STEPS [--load DIR] [--devices N] [--mesh data,fsdp,seq] [--ckpt-every K]
+Multi-process: set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+Prints one JSON line `RESULT {...}` at the end.
+"""
+import argparse
+import json
+import os
+import sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("outputs")
+ap.add_argument("max_steps", type=int)
+ap.add_argument("--load")
+ap.add_argument("--devices", type=int, default=1)
+ap.add_argument("--mesh", default="-1,1,1")
+ap.add_argument("--ckpt-every", type=int, default=3)
+ap.add_argument("--batch", type=int, default=2, help="global batch")
+args = ap.parse_args()
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from jaxsora.parallel.distributed import initialize  # noqa: E402
+
+initialize()
+import jax  # noqa: E402
+
+from jaxsora.train.loop import RunOptions, train  # noqa: E402
+from tests.train.common import small_config  # noqa: E402
+from tests.train.fake_loader import FakeLoader  # noqa: E402
+
+cfg = small_config(args.outputs, max_steps=args.max_steps, ckpt_every=args.ckpt_every,
+                   mesh=tuple(int(x) for x in args.mesh.split(",")))
+
+
+def factory(c, dp):
+    return FakeLoader(data_parallel_size=dp, per_device_batch=args.batch // dp, process_index=jax.process_index(),
+                      process_count=jax.process_count())
+
+
+res = train(cfg, RunOptions(load=args.load), loader_factory=factory)
+print("RESULT " + json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float, str, bool, type(None)))}),
+      flush=True)
