@@ -46,6 +46,7 @@ def get_config():
     c.data = mlc.ConfigDict(dict(
         table="",                       # --data-path
         bucket_config=STAGE1_BUCKETS,
+        resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's
         frame_interval=1,
         num_workers=8,
         seed=42,

@@ -78,6 +78,7 @@ def validate_config(config, opts=None) -> None:
     checker = getattr(buckets, "validate_bucket_config", None)
     if checker is not None:
         try:
-            checker(config.data.bucket_config)
+            extra = config.data.get("resolutions") or None
+            checker(config.data.bucket_config, extra.to_dict() if hasattr(extra, "to_dict") else extra)
         except ValueError as e:
             raise ConfigError(f"data.bucket_config: {e}") from e

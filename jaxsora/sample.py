@@ -114,9 +114,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 height=hw["height"], width=hw["width"])
     null_y = jnp.broadcast_to(model.y_embedder.y_embedding[...][None, None], y.shape)
     latents = rflow.sample(
-        lambda x_t, t, **c: model(x_t, t, **c), z, cond, null_y, key=jax.random.fold_in(key, 1),
+        model, z, cond, null_y, key=jax.random.fold_in(key, 1),
         num_sampling_steps=args.steps, cfg_scale=args.cfg, height=hw["height"], width=hw["width"],
         num_frames=hw["num_frames"],
+        use_timestep_transform=bool(cfg.get("scheduler", {}).get("use_timestep_transform", True)),
     )
     videos = np.asarray(vae.decode(latents, num_frames))
     written = []

@@ -47,6 +47,9 @@ def main():
             for a in sys.argv]
 
     def run(_):
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
         FLAGS = flags.FLAGS
         if FLAGS.config is None:
             raise app.UsageError("--config is required, e.g. --config configs/stage1.py")

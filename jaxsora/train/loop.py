@@ -415,7 +415,8 @@ def _default_loader(config, dp: int):
     return VideoLoader(dcfg.table, _plain(dcfg.bucket_config), seed=int(dcfg.get("seed", config.train.seed)),
                        data_parallel_size=dp, process_index=jax.process_index(),
                        process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
-                       frame_interval=int(dcfg.get("frame_interval", 1)))
+                       frame_interval=int(dcfg.get("frame_interval", 1)),
+                       extra_resolutions=_plain(dcfg.resolutions) if dcfg.get("resolutions") else None)
 
 
 def _load_weights_only(state: TrainState, path: str, mcfg, shardings, tx) -> TrainState:

@@ -1,0 +1,82 @@
+"""The global batch plan of an epoch, and the loader state that makes resume exact and safe.
+
+Under jit every host feeds the same bucket shape at a step, so (unlike the reference, where each
+rank draws its own bucket) a step is one bucket for the whole mesh: global batch = the bucket's
+per-device batch × data-parallel size. Per epoch, from (seed, epoch) alone:
+1. assign every row to a bucket (reference semantics, `jaxsora.data.buckets`);
+2. per bucket (in first-appearance order): shuffle its rows, drop the remainder of the global batch;
+3. list each bucket once per batch and shuffle that access order.
+Batch i is the next global batch of bucket access[i]. The plan is regenerated from (seed, epoch)
+every time — there is no cached epoch-0 assignment to leak into a resume (the reference's quirk).
+
+The loader state is (epoch, index = batches completed in the epoch, fingerprint). The fingerprint
+covers the table contents, the bucket config, the seed and the data-parallel size; restoring with
+any of them changed is refused, naming what changed, unless the caller asks for a reset.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import OrderedDict
+
+import numpy as np
+
+
+class DataStateMismatch(ValueError):
+    """Raised when a checkpoint's data position does not fit the current data setup."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    bucket: tuple  # (res, frames, ar_key)
+    size: tuple  # (T, H, W) target
+    rows: np.ndarray  # [global batch] table row ids
+
+
+def config_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def make_fingerprint(table_fp: str, bucket_config: dict, seed: int, dp: int, frame_interval: int) -> dict:
+    return dict(table=table_fp, buckets=config_hash([bucket_config, frame_interval]), seed=int(seed),
+                data_parallel_size=int(dp))
+
+
+def check_state(saved: dict, current: dict) -> None:
+    names = dict(table="the dataset table (rows, paths, captions or sizes)", buckets="the bucket config",
+                 seed="the data seed", data_parallel_size="the data-parallel size")
+    old = saved.get("fingerprint", {})
+    changed = [names[k] + f" ({old.get(k)!r} → {current[k]!r})" for k in names if old.get(k) != current[k]]
+    if changed:
+        raise DataStateMismatch(
+            "the checkpoint's data position does not fit this run: changed " + "; ".join(changed)
+            + ". Resuming would repeat or skip batches. Use --start-from-scratch to restart the data order "
+              "(the optimizer state is kept), or restore the original data setup.")
+
+
+def epoch_plan(df, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1) -> list[PlannedBatch]:
+    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    t, h, w = df["num_frames"].to_numpy(), df["height"].to_numpy(), df["width"].to_numpy()
+    for row in range(len(df)):
+        b = buckets.assign(int(t[row]), int(h[row]), int(w[row]), buckets.row_seed(seed, epoch, row), frame_interval)
+        if b is not None:
+            groups.setdefault(b, []).append(row)
+    rng = np.random.default_rng([seed, epoch])
+    per_bucket, access = {}, []
+    for b, rows in groups.items():
+        gbs = buckets.bucket_batch_size(b) * dp
+        n = len(rows) // gbs
+        if n == 0:
+            continue
+        rows = np.asarray(rows)[rng.permutation(len(rows))][: n * gbs]
+        per_bucket[b] = rows.reshape(n, gbs)
+        access += [b] * n
+    order = rng.permutation(len(access))
+    used = {b: 0 for b in per_bucket}
+    plan = []
+    for i in order:
+        b = access[i]
+        plan.append(PlannedBatch(b, buckets.target_size(b), per_bucket[b][used[b]]))
+        used[b] += 1
+    return plan
