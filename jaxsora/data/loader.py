@@ -42,6 +42,7 @@ class VideoLoader:
         self.index = 0  # batches completed in the epoch (after the last one yielded)
         self.num_skipped = 0
         self._plans: dict[int, list] = {}
+        self._bucket_cache: dict = {}
         self._texts = self.df["text"].to_numpy()
         self._paths = self.df["path"].to_numpy()
         self._nframes = self.df["num_frames"].to_numpy()
@@ -77,10 +78,18 @@ class VideoLoader:
         plan_lib.check_state(state, self.fingerprint)
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
+    def _bucket_rows(self, epoch: int, bucket: tuple) -> np.ndarray:
+        """Every row planned into `bucket` this epoch (the replacement pool for unreadable files)."""
+        key = (epoch, bucket)
+        if key not in self._bucket_cache:
+            self._bucket_cache = {k: v for k, v in self._bucket_cache.items() if k[0] >= epoch - 1}
+            self._bucket_cache[key] = np.concatenate([p.rows for p in self.plan(epoch) if p.bucket == bucket])
+        return self._bucket_cache[key]
+
     # ---- decoding -----------------------------------------------------------------------------
     def _decode_slot(self, epoch: int, index: int, slot: int, pb) -> tuple:
         t, h, w = pb.size
-        same_bucket = pb.rows
+        same_bucket = self._bucket_rows(epoch, pb.bucket)
         row = int(pb.rows[slot])
         for attempt in range(MAX_REPLACEMENTS + 1):
             rng = np.random.default_rng([self.seed, epoch, row, 1])  # the temporal crop of this row
@@ -122,11 +131,13 @@ class VideoLoader:
 
         def positions():
             e, i = epoch, index
+            empty = 0
             while True:
                 n = len(self.plan(e))
-                if n == 0:
-                    raise ValueError(f"epoch {e} has no full batch: the table has too few rows for the bucket "
-                                     "config's batch sizes × data-parallel size (see --dry-run)")
+                empty = empty + 1 if n == 0 else 0
+                if empty >= 3:  # an epoch can come up empty by chance (keep probabilities); three cannot
+                    raise ValueError(f"epochs {e - 2}..{e} have no full batch: the table has too few rows for the "
+                                     "bucket config's batch sizes × data-parallel size (see --dry-run)")
                 while i < n:
                     yield e, i
                     i += 1
