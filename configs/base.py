@@ -40,9 +40,12 @@ def get_config():
         class_dropout_prob=0.1,
         fix_final_layer_double_mod=False,
     ))
-    c.vae = mlc.ConfigDict(dict(kind="opensora", path="pretrained_models/OpenSora-VAE-v1.2", dtype="bfloat16"))
+    # kind "opensora" uses path/dtype; kind "identity" (pixel space) uses downsample.
+    c.vae = mlc.ConfigDict(dict(kind="opensora", path="pretrained_models/OpenSora-VAE-v1.2", dtype="bfloat16",
+                                downsample=(1, 8, 8)))
+    # kind "t5" uses path/dtype; kind "tiny" (random weights, byte tokenizer, no files) uses the sizes.
     c.text_encoder = mlc.ConfigDict(dict(kind="t5", path="pretrained_models/t5-v1_1-xxl", model_max_length=300,
-                                         dtype="bfloat16"))
+                                         dtype="bfloat16", d_model=64, num_layers=2, num_heads=2, d_ff=128, seed=0))
     c.data = mlc.ConfigDict(dict(
         table="",                       # --data-path
         bucket_config=STAGE1_BUCKETS,

@@ -27,6 +27,10 @@ DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
 
 PRESETS = {
     "demo": dict(num_videos=96, num_images=16, sizes=[(32, 32)], frames=[12], fps=8, seed=0),
+    # Stage-config sizes (240p / 144p landscape and portrait, clips long enough for the 51/102 buckets),
+    # e.g. for `python -m jaxsora.train --config configs/stage1.py --data-path ... --dry-run`.
+    "stage": dict(num_videos=16, num_images=8, sizes=[(240, 426), (144, 256), (426, 240), (256, 256)],
+                  frames=[60, 110], fps=24, seed=0),
     "tests": dict(num_videos=6, num_images=2, sizes=[(32, 32), (24, 40), (40, 24)], frames=[12, 20], fps=8, seed=0),
 }
 

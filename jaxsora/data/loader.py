@@ -59,13 +59,17 @@ class VideoLoader:
         return len(self.plan(epoch))
 
     def describe_plan(self, epoch: int = 0) -> list:
-        """[(bucket (res, T, H, W), batches this epoch, global batch)] in bucket order."""
+        """[(bucket (res, T, H, W), batches this epoch, global batch, rows assigned)] per (res, T, H, W),
+        in order of first appearance; a bucket whose rows cannot fill one global batch shows 0 batches."""
+        groups = plan_lib.assign_rows(self.df, self.buckets, seed=self.seed, epoch=epoch,
+                                      frame_interval=self.frame_interval)
         counts = collections.OrderedDict()
-        for pb in self.plan(epoch):
-            key = (pb.bucket[0], *pb.size)
-            n, gb = counts.get(key, (0, len(pb.rows)))
-            counts[key] = (n + 1, gb)
-        return [(k, n, gb) for k, (n, gb) in counts.items()]
+        for b, rows in groups.items():
+            f, h, w = self.buckets.target_size(b)
+            gbs = self.buckets.bucket_batch_size(b) * self.dp
+            n, _, r = counts.get((b[0], f, h, w), (0, gbs, 0))
+            counts[(b[0], f, h, w)] = (n + len(rows) // gbs, gbs, r + len(rows))
+        return [(k, n, gb, r) for k, (n, gb, r) in counts.items()]
 
     # ---- state --------------------------------------------------------------------------------
     def state(self) -> dict:

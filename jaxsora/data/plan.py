@@ -55,13 +55,19 @@ def check_state(saved: dict, current: dict) -> None:
               "(the optimizer state is kept), or restore the original data setup.")
 
 
-def epoch_plan(df, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1) -> list[PlannedBatch]:
+def assign_rows(df, buckets, *, seed: int, epoch: int, frame_interval: int = 1) -> "OrderedDict[tuple, list[int]]":
+    """bucket → rows, buckets in order of first appearance in the table (as the reference)."""
     groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
     t, h, w = df["num_frames"].to_numpy(), df["height"].to_numpy(), df["width"].to_numpy()
     for row in range(len(df)):
         b = buckets.assign(int(t[row]), int(h[row]), int(w[row]), buckets.row_seed(seed, epoch, row), frame_interval)
         if b is not None:
             groups.setdefault(b, []).append(row)
+    return groups
+
+
+def epoch_plan(df, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1) -> list[PlannedBatch]:
+    groups = assign_rows(df, buckets, seed=seed, epoch=epoch, frame_interval=frame_interval)
     rng = np.random.default_rng([seed, epoch])
     per_bucket, access = {}, []
     for b, rows in groups.items():

@@ -207,11 +207,14 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     rules = logical_rules_for(config.mesh)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
 
-    text_encoder = build.build_text_encoder_from_config(config.text_encoder, mesh=mesh, rules=rules)
-    vae = build.build_vae_from_config(config.vae)
-    mcfg = build.build_model_config(config.model, in_channels=vae.out_channels,
-                                    caption_channels=text_encoder.caption_channels,
-                                    model_max_length=text_encoder.model_max_length)
+    if opts.dry_run:  # no encoder weights are loaded: their sizes come from the config
+        text_encoder = vae = None
+        in_ch, cap_ch, max_len = build.encoder_dims(config)
+    else:
+        text_encoder = build.build_text_encoder_from_config(config.text_encoder, mesh=mesh, rules=rules)
+        vae = build.build_vae_from_config(config.vae)
+        in_ch, cap_ch, max_len = vae.out_channels, text_encoder.caption_channels, text_encoder.model_max_length
+    mcfg = build.build_model_config(config.model, in_channels=in_ch, caption_channels=cap_ch, model_max_length=max_len)
     if int(config.mesh.get("sequence", 1)) != 1:
         mcfg = mcfg.replace(sequence_parallel_axis="sequence")
 
@@ -222,12 +225,11 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     # Abstract model → shardings → initialize directly into them (no full copy on one device).
     seed = int(tcfg.seed)
     abstract_model = nnx.eval_shape(lambda: STDiT3(mcfg, rngs=nnx.Rngs(seed)))
+    if opts.dry_run:
+        return _dry_run(config, mcfg, loader, abstract_model, mesh, outdir)
     graphdef = nnx.split(abstract_model, _trainable(mcfg), ...)[0]
     abstract_state = jax.eval_shape(lambda: init_state(STDiT3(mcfg, rngs=nnx.Rngs(seed)), tx, seed)[1])
     shardings = _train_state_shardings(abstract_model, abstract_state, tx, mesh, rules)
-
-    if opts.dry_run:
-        return _dry_run(config, mcfg, loader, abstract_model, shardings, mesh, outdir)
 
     def _init():
         return init_state(STDiT3(mcfg, rngs=nnx.Rngs(seed)), tx, seed)[1]
@@ -436,7 +438,7 @@ def _load_weights_only(state: TrainState, path: str, mcfg, shardings, tx) -> Tra
     return jax.device_put(fresh, shardings)
 
 
-def _dry_run(config, mcfg, loader, abstract_model, shardings, mesh, outdir) -> dict:
+def _dry_run(config, mcfg, loader, abstract_model, mesh, outdir) -> dict:
     """Validate and print the plan; train nothing."""
     n_params = param_count(abstract_model)
     n_train = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(abstract_model, _trainable(mcfg))))
@@ -449,11 +451,15 @@ def _dry_run(config, mcfg, loader, abstract_model, shardings, mesh, outdir) -> d
              f"(activations extra; remat={'on' if mcfg.remat else 'off'})"]
     plan = loader.describe_plan(0)
     total = 0
-    lines.append(f"{'bucket':<32} {'batches/epoch':>14} {'global batch':>13}")
-    for bucket, nb, gb in plan:
-        lines.append(f"{str(bucket):<32} {nb:>14} {gb:>13}")
+    lines.append(f"epoch 0 plan ({len(loader.df)} rows in the table):")
+    lines.append(f"{'bucket (res, frames, H, W)':<32} {'rows':>7} {'batches/epoch':>14} {'global batch':>13}")
+    for bucket, nb, gb, rows in plan:
+        lines.append(f"{str(bucket):<32} {rows:>7} {nb:>14} {gb:>13}")
         total += nb
     lines.append(f"steps per epoch: {total}")
+    if total == 0:
+        lines.append("WARNING: no full batch this epoch: no row fits the bucket config at this data-parallel size "
+                     "(too small, too short, or too few rows)")
     text = "\n".join(lines)
     if _is_main():
         print(text)

@@ -42,7 +42,8 @@ def test_plan_is_deterministic_and_uses_reference_shapes(dataset):
         assert batch["video"].shape[2:] == batch["bucket"][1:]
         assert batch["video"].min() >= -1 and batch["video"].max() <= 1
     desc = a.describe_plan(0)
-    assert sum(n for _, n, _ in desc) == a.steps_per_epoch(0)
+    assert sum(d[1] for d in desc) == a.steps_per_epoch(0)
+    assert sum(d[3] for d in desc) <= len(a.df)
 
 
 def test_host_shares_partition_the_global_batch(dataset):

@@ -54,7 +54,7 @@ class FakeLoader:
         return self.n
 
     def describe_plan(self, epoch=0):
-        return [(("fake", self.frames, *self.size), self.n, self.bs * self.dp)]
+        return [(("fake", self.frames, *self.size), self.n, self.bs * self.dp, self.n * self.bs * self.dp)]
 
     def state(self):
         return dict(epoch=self.epoch, index=self.index, fingerprint=self.fp)
