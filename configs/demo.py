@@ -24,7 +24,7 @@ def get_config():
     c.scheduler.use_timestep_transform = False
     c.optim.update(dict(lr=1e-3, warmup_steps=50, weight_decay=0.0, ema_decay=0.99))
     c.mesh.update(dict(data=-1, fsdp=1, sequence=1))
-    c.train.update(dict(outputs="outputs", experiment="demo", max_steps=300, ckpt_every=100, log_every=20,
+    c.train.update(dict(outputs="outputs", experiment="demo", max_steps=600, ckpt_every=200, log_every=50,
                         watchdog_min_seconds=60.0))
     c.sample.update(dict(num_frames=8, height=32, width=32, fps=8))
     return c
