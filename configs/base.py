@@ -49,6 +49,7 @@ def get_config():
     c.data = mlc.ConfigDict(dict(
         table="",                       # --data-path
         bucket_config=STAGE1_BUCKETS,
+        text_cache="",                  # a data_tools.precompute folder: cached T5 states instead of T5 in the step
         resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's
         frame_interval=1,
         num_workers=8,

@@ -207,13 +207,26 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     rules = logical_rules_for(config.mesh)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
 
+    # Precomputed text states (python -m data_tools.precompute) replace running T5 in the step.
+    text_cache = None
+    if config.data.get("text_cache"):
+        from jaxsora.data.cache import TextStateCache
+
+        text_cache = TextStateCache(config.data.text_cache)
     if opts.dry_run:  # no encoder weights are loaded: their sizes come from the config
         text_encoder = vae = None
         in_ch, cap_ch, max_len = build.encoder_dims(config)
     else:
-        text_encoder = build.build_text_encoder_from_config(config.text_encoder, mesh=mesh, rules=rules)
         vae = build.build_vae_from_config(config.vae)
-        in_ch, cap_ch, max_len = vae.out_channels, text_encoder.caption_channels, text_encoder.model_max_length
+        in_ch = vae.out_channels
+        if text_cache is not None:
+            text_encoder = None
+            cap_ch, max_len = text_cache.caption_channels, text_cache.model_max_length
+        else:
+            text_encoder = build.build_text_encoder_from_config(config.text_encoder, mesh=mesh, rules=rules)
+            cap_ch, max_len = text_encoder.caption_channels, text_encoder.model_max_length
+    if text_cache is not None:
+        cap_ch, max_len = text_cache.caption_channels, text_cache.model_max_length
     mcfg = build.build_model_config(config.model, in_channels=in_ch, caption_channels=cap_ch, model_max_length=max_len)
     if int(config.mesh.get("sequence", 1)) != 1:
         mcfg = mcfg.replace(sequence_parallel_axis="sequence")
@@ -297,7 +310,7 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
             t0 = time.monotonic()
             host = next(it)
             t_data = time.monotonic() - t0
-            batch = _global_batch(host, text_encoder, batch_sharding)
+            batch = _global_batch(host, text_encoder, batch_sharding, text_cache)
             watchdog.begin()
             state, metrics = jit_step(state, batch, encoders)
             metrics = jax.device_get(metrics)
@@ -371,9 +384,12 @@ def _match_param_shardings(opt_state, params, p_sh, default):
 
 
 def _encoders(vae, text_encoder):
-    """(frozen weights pytree, encode_video, encode_text): the weights travel as jit arguments."""
-    te_graphdef = text_encoder.graphdef
-    weights = {"t5": text_encoder.state}
+    """(frozen weights pytree, encode_video, encode_text): the weights travel as jit arguments.
+    Without a text encoder (a text-state cache), the batch's `ids` already are the states."""
+    weights = {}
+    if text_encoder is not None:
+        te_graphdef = text_encoder.graphdef
+        weights["t5"] = text_encoder.state
     if isinstance(vae, nnx.Module):
         vae_graphdef, weights["vae"] = nnx.split(vae)
 
@@ -384,6 +400,8 @@ def _encoders(vae, text_encoder):
             return vae.encode(video, key)
 
     def encode_text(enc, ids, mask):
+        if text_encoder is None:
+            return ids.astype(jnp.float32)  # cached states [B, L, D]
         return nnx.merge(te_graphdef, enc["t5"])(ids, mask).astype(jnp.float32)
 
     return weights, encode_video, encode_text
@@ -396,10 +414,17 @@ def _tokens(video_shape, vae, mcfg) -> int:
     return b * (-(-lt // pt)) * (-(-lh // ph)) * (-(-lw // pw))
 
 
-def _global_batch(host: dict, text_encoder, sharding) -> dict:
-    """Host-local numpy batch → global jax Arrays sharded over the batch axes."""
-    ids, tmask = text_encoder.tokenize([str(t) for t in host["text"]])
-    local = dict(video=np.asarray(host["video"], np.float32), ids=ids.astype(np.int32),
+def _global_batch(host: dict, text_encoder, sharding, text_cache=None) -> dict:
+    """Host-local numpy batch → global jax Arrays sharded over the batch axes. Captions become token
+    ids (the step runs T5), or with a text cache the cached states themselves."""
+    texts = [str(t) for t in host["text"]]
+    if text_cache is not None:
+        y, tmask = text_cache.lookup(np.asarray(host["row"]), texts)  # checks each caption's hash
+        ids = np.asarray(y, np.float32)[:, 0]
+    else:
+        ids, tmask = text_encoder.tokenize(texts)
+        ids = ids.astype(np.int32)
+    local = dict(video=np.asarray(host["video"], np.float32), ids=ids,
                  text_mask=tmask.astype(np.int32), fps=np.asarray(host["fps"], np.float32),
                  height=np.asarray(host["height"], np.float32), width=np.asarray(host["width"], np.float32),
                  num_frames=np.asarray(host["num_frames"], np.float32))
