@@ -49,6 +49,7 @@ def get_config():
     c.data = mlc.ConfigDict(dict(
         table="",                       # --data-path
         bucket_config=STAGE1_BUCKETS,
+        batch_size_override=0,          # > 0: every bucket's per-device batch (smoke tests of a stage config)
         text_cache="",                  # a data_tools.precompute folder: cached T5 states instead of T5 in the step
         resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's
         frame_interval=1,

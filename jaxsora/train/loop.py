@@ -436,10 +436,15 @@ def _global_batch(host: dict, text_encoder, sharding, text_cache=None) -> dict:
 
 
 def _default_loader(config, dp: int):
+    from jaxsora.data.buckets import normalize_bucket_config
     from jaxsora.data.loader import VideoLoader
 
     dcfg = config.data
-    return VideoLoader(dcfg.table, _plain(dcfg.bucket_config), seed=int(dcfg.get("seed", config.train.seed)),
+    buckets = normalize_bucket_config(_plain(dcfg.bucket_config))
+    if int(dcfg.get("batch_size_override", 0) or 0) > 0:
+        bs = int(dcfg.batch_size_override)
+        buckets = {r: {f: (p, None if b is None else bs) for f, (p, b) in fr.items()} for r, fr in buckets.items()}
+    return VideoLoader(dcfg.table, buckets, seed=int(dcfg.get("seed", config.train.seed)),
                        data_parallel_size=dp, process_index=jax.process_index(),
                        process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
                        frame_interval=int(dcfg.get("frame_interval", 1)),
