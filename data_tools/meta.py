@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import math
+import multiprocessing
 import os
 import sys
 
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     if args.num_workers > 1:
-        with cf.ProcessPoolExecutor(args.num_workers) as ex:
+        # spawn, not fork: this process has imported JAX, which is multithreaded (fork can deadlock).
+        with cf.ProcessPoolExecutor(args.num_workers, mp_context=multiprocessing.get_context("spawn")) as ex:
             results = list(tqdm(ex.map(probe, paths, chunksize=8), total=len(paths), desc="meta", unit="file"))
     else:
         results = [probe(p) for p in tqdm(paths, desc="meta", unit="file")]

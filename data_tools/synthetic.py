@@ -20,6 +20,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
+from jaxsora.data.video import write_mp4
+
 COLORS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "yellow": (240, 220, 40),
           "white": (245, 245, 245), "magenta": (220, 50, 220)}
 SHAPES = ("circle", "square", "bar")
@@ -59,21 +61,6 @@ def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.
     return frames
 
 
-def write_mp4(frames: np.ndarray, path: str, fps: int) -> None:
-    import av
-
-    with av.open(path, mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "12"}
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
 def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: int, seed: int,
              progress: bool = True) -> pd.DataFrame:
     os.makedirs(os.path.join(out, "videos"), exist_ok=True)
@@ -95,7 +82,7 @@ def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: 
             t = int(frames[rng.integers(len(frames))])
             clip = render(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng)
             rel = f"videos/{i:05d}.mp4"
-            write_mp4(clip, os.path.join(out, rel), fps)
+            write_mp4(clip, os.path.join(out, rel), fps, crf=12)
             text, n, f = f"a {color} {shape} moving {direction} on a dark background", t, float(fps)
         else:
             clip = render(shape, COLORS[color], (0, 0), 1, h, w, rng)

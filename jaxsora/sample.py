@@ -27,31 +27,16 @@ def to_uint8_frames(video: np.ndarray) -> np.ndarray:
 
 def write_video(frames: np.ndarray, path: str, fps: float = 24) -> str:
     """Write [T, H, W, 3] uint8 as h264 mp4 (or one frame as png). Returns the path written."""
-    import av
+    from jaxsora.data.video import write_mp4
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     if frames.shape[0] == 1:
         from PIL import Image
 
         path = os.path.splitext(path)[0] + ".png"
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
         Image.fromarray(frames[0]).save(path)
         return path
-    t, h, w, _ = frames.shape
-    # h264 with yuv420p needs even sizes: pad by edge replication.
-    ph, pw = h % 2, w % 2
-    if ph or pw:
-        frames = np.pad(frames, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
-    with av.open(path, mode="w") as container:
-        stream = container.add_stream("libx264", rate=int(round(fps)))
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18"}
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
+    return write_mp4(frames, path, fps)
 
 
 def _slug(text: str, n: int = 40) -> str:

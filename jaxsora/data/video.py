@@ -92,3 +92,25 @@ def load_sample(path: str, t: int, h: int, w: int, *, frame_interval: int, rng: 
     frames = np.stack([got[i] for i in idx])
     # fps fed to the model: video fps // frame_interval (a float floor, as the reference)
     return to_model_range(resize_crop(frames, h, w)), float(fps // frame_interval)
+
+
+def write_mp4(frames: np.ndarray, path: str, fps: float, crf: int = 18) -> str:
+    """Write [T, H, W, 3] uint8 as h264 mp4 with PyAV (odd sizes are edge-padded to even, as yuv420p
+    needs). Returns the path."""
+    import av
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    ph, pw = frames.shape[1] % 2, frames.shape[2] % 2
+    if ph or pw:
+        frames = np.pad(frames, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
+    with av.open(path, mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
