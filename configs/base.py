@@ -53,7 +53,10 @@ def get_config():
         text_cache="",                  # a data_tools.precompute folder: cached T5 states instead of T5 in the step
         resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's
         frame_interval=1,
-        num_workers=8,
+        num_workers=8,                  # grain worker processes decoding batches (0: in the train process)
+        decode_threads=1,               # grain read threads per process (batches decoded side by side)
+        prefetch=2,                     # batches buffered ahead, per worker
+        index_dir="",                   # table index folder ("": temp); reused while the table is unchanged
         seed=42,
     ))
     c.scheduler = mlc.ConfigDict(dict(

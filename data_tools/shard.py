@@ -28,8 +28,9 @@ def main(argv=None) -> int:
     out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.input))
     os.makedirs(out_dir, exist_ok=True)
     base_in = os.path.dirname(os.path.abspath(args.input))
-    if "path" in df.columns and os.path.abspath(out_dir) != base_in:  # keep relative paths valid
-        df["path"] = [p if os.path.isabs(str(p)) else os.path.join(base_in, str(p)) for p in df["path"]]
+    if "path" in df.columns and os.path.abspath(out_dir) != base_in:  # relative paths, re-rooted at out_dir
+        df["path"] = [p if os.path.isabs(str(p)) else os.path.relpath(os.path.join(base_in, str(p)), out_dir)
+                      for p in df["path"]]
     from tqdm.auto import tqdm
 
     for i, idx in enumerate(tqdm(np.array_split(np.arange(len(df)), args.num_shards), desc="shards")):

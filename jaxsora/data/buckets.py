@@ -18,6 +18,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from jaxsora.data.aspect import closest_ratio_key, resolution_tables
+from jaxsora.data.pcg import uniforms
 
 # Open-Sora 1.2: a resolution is eligible when H·W ≥ 0.8 × its pixel count.
 HW_APPROX = 0.8
@@ -84,6 +85,14 @@ class Buckets:
                 self.bucket_id[res][f] = n
                 n += 1
                 self.num_bucket += len(self.tables[res][1])
+        # Codes for `assign_many`: code = code_base[res][f] + index of the aspect key in res's table.
+        self.bucket_keys: list[tuple] = []
+        self.code_base: dict = {}
+        for res in self.res_order:
+            self.code_base[res] = {}
+            for f in self.probs[res]:
+                self.code_base[res][f] = len(self.bucket_keys)
+                self.bucket_keys += [(res, f, ar) for ar in self.tables[res][1]]
 
     def assign(self, t: int, h: int, w: int, seed: int, frame_interval: int = 1) -> Optional[tuple]:
         """(res, frames, ar_key) or None (the sample sits this epoch out)."""
@@ -113,6 +122,54 @@ class Buckets:
             if p >= 1 or rng.random() < p:
                 return res, f, closest_ratio_key(h, w, self.tables[res][1])
         return None
+
+    def assign_many(self, t, h, w, seeds, frame_interval: int = 1) -> np.ndarray:
+        """`assign` for arrays of rows at once, exactly (the draws come from `pcg.uniforms`, numpy's
+        generator recomputed in bulk). t/h/w: [N] ints; seeds: [N] per-row seeds (`row_seeds`).
+        → [N] int64 codes into `self.bucket_keys`, −1 where the row sits this epoch out."""
+        t, h, w = (np.asarray(a, np.int64) for a in (t, h, w))
+        seeds = np.asarray(seeds, np.uint64)
+        codes = np.full(len(t), -1, np.int64)
+        undecided = np.ones(len(t), bool)
+        ratio = h / w
+        for res in self.res_order:
+            pixels, table = self.tables[res]
+            cand = undecided & (h * w >= pixels * HW_APPROX)
+            if not cand.any():
+                continue
+            ar_values = np.array([float(k) for k in table])
+            probs, bid, base = self.probs[res], self.bucket_id[res], self.code_base[res]
+
+            def keep(rows, f):
+                ar = np.argmin(np.abs(ar_values[None, :] - ratio[rows, None]), axis=1)  # first on ties
+                codes[rows] = base[f] + ar
+                undecided[rows] = False
+
+            images = np.nonzero(cand & (t == 1))[0]
+            if len(images) and 1 in probs:
+                r = uniforms(seeds[images] + np.uint64(bid[1]), 1)[:, 0]
+                keep(images[r < probs[1]], 1)
+            pending = np.nonzero(cand & (t != 1))[0]  # videos without a frame count chosen at this res
+            for f, prob in probs.items():  # descending frame counts
+                if not len(pending):
+                    break
+                tup = isinstance(prob, tuple)
+                draws = uniforms(seeds[pending] + np.uint64(bid[f]), 2 if tup else 1) if tup or prob < 1 else None
+                passed = draws[:, 0] <= prob[1] if tup else np.ones(len(pending), bool)
+                chosen = passed & (t[pending] > f * frame_interval) & (f != 1)
+                p = prob[0] if tup else prob
+                if p >= 1:
+                    kept = chosen
+                else:  # the same generator's next draw: the second for a tuple entry, else the first
+                    kept = chosen & (draws[:, 1 if tup else 0] < p)
+                keep(pending[kept], f)
+                pending = pending[~chosen]  # chosen but not kept: on to the next resolution
+        return codes
+
+    def row_seeds(self, seed: int, epoch: int, rows) -> np.ndarray:
+        """`row_seed` for an array of rows: [N] uint64."""
+        rows = np.asarray(rows, np.uint64)
+        return np.uint64(seed + epoch) + rows * np.uint64(self.num_bucket)
 
     def target_size(self, bucket: tuple) -> tuple[int, int, int]:
         res, f, ar = bucket

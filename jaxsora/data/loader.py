@@ -1,17 +1,27 @@
-"""The video loader: the epoch plan → host-local batches, with exact resume (see `plan.py`).
+"""The video loader: the epoch plan as a grain `MapDataset`, decoded in grain worker processes, with
+exact resume (plan semantics in `plan.py`).
 
-Each host decodes only its contiguous share of each global batch (global / process_count rows);
-the train loop assembles global arrays with `jax.make_array_from_process_local_data`. Decoding
-runs in a pool of `num_workers` threads (PyAV and PIL release the GIL while decoding), a few
-batches ahead. A missing, zero-length, truncated or corrupt file is skipped with a counted warning
-and replaced by another row of the same bucket, chosen deterministically from (seed, epoch, batch,
-slot), so the batch stays full, the run goes on, and a resume sees the same replacement.
+Element k of the dataset is the k-th global batch from the loader's position (epoch, index): its
+host share — this host's contiguous global / process_count rows — decoded. Positions run across
+epochs (each epoch's plan is regenerated from (seed, epoch) wherever it is needed, in the workers
+too), so one pipeline serves the whole run and the iterator state is the one position. Workers
+are grain's `mp_prefetch` processes (spawned; each reads element k ≡ w mod num_workers, and grain
+returns them in order), so the batches do not depend on the worker count. The train loop
+assembles global arrays with `jax.make_array_from_process_local_data`.
+
+A missing, zero-length, truncated or corrupt file is skipped with a counted warning and replaced
+by another row of the same bucket, chosen deterministically from (seed, epoch, batch, slot), so
+the batch stays full, the run goes on, and a resume sees the same replacement.
+
+Host batch: video [b, 3, T, H, W] uint8 (→ [-1, 1] by `video.to_model_range`, in the train step);
+text [b] str; fps/height/width [b] float32; num_frames [b] int32; row [b] int64 (table rows);
+epoch, index (batches of the epoch done after this one), bucket (res, T, H, W).
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import sys
+import threading
 from typing import Iterator, Mapping, Optional
 
 import numpy as np
@@ -19,41 +29,152 @@ import numpy as np
 from jaxsora.data import plan as plan_lib
 from jaxsora.data.buckets import Buckets, normalize_bucket_config
 from jaxsora.data.plan import DataStateMismatch  # noqa: F401  (re-exported)
-from jaxsora.data.tables import fingerprint, read_table
+from jaxsora.data.tables import TableIndex
 from jaxsora.data.video import DecodeError, load_sample
 
 MAX_REPLACEMENTS = 16
+# Element count of the (unbounded) plan dataset; grain wants a length.
+_ENDLESS = 1 << 50
+
+
+class _PlanSource:
+    """The random-access source behind the grain dataset: element k → the host share of the k-th
+    batch after (epoch, index). Pickled into each worker (the table travels as its index folder)."""
+
+    def __init__(self, table: TableIndex, bucket_config: dict, extra_resolutions, *, seed: int, dp: int,
+                 frame_interval: int, process_index: int, process_count: int, epoch: int, index: int,
+                 planner: Optional[plan_lib.Planner] = None):
+        self.table, self.bucket_config, self.extra_resolutions = table, bucket_config, extra_resolutions
+        self.seed, self.dp, self.frame_interval = seed, dp, frame_interval
+        self.process_index, self.process_count = process_index, process_count
+        self.start = (epoch, index)
+        self._planner = planner  # shared with the loader in-process; rebuilt in each worker
+        self._segments: list = []  # [(first k, epoch, first index, batches in epoch)], grown lazily
+        self._lock = threading.RLock()
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_planner", "_segments", "_lock")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _planner=None, _segments=[], _lock=threading.RLock())
+
+    @property
+    def planner(self) -> plan_lib.Planner:
+        with self._lock:
+            if self._planner is None:
+                sizes = (self.table.num_frames, self.table.height, self.table.width)
+                self._planner = plan_lib.Planner(sizes, Buckets(self.bucket_config, self.extra_resolutions),
+                                                 seed=self.seed, dp=self.dp, frame_interval=self.frame_interval)
+            return self._planner
+
+    def __len__(self) -> int:
+        return _ENDLESS
+
+    def position(self, k: int) -> tuple[int, int, int]:
+        """Element k → (epoch, batch index, batches in that epoch)."""
+        with self._lock:
+            return self._position(k)
+
+    def _position(self, k: int) -> tuple[int, int, int]:
+        segs = self._segments
+        if not segs or k < segs[0][0]:
+            segs.clear()
+            e, i = self.start
+            segs.append((0, e, i, len(self.planner.plan(e))))
+        empty = 0
+        while True:
+            k0, e, i0, n = segs[-1]
+            if k < k0 + n - i0:
+                break
+            nxt = len(self.planner.plan(e + 1))
+            empty = empty + 1 if nxt == 0 else 0
+            if empty >= 3:  # an epoch can come up empty by chance (keep probabilities); three cannot
+                raise ValueError(f"epochs {e - 1}..{e + 1} have no full batch: the table has too few rows for "
+                                 "the bucket config's batch sizes × data-parallel size (see --dry-run)")
+            segs.append((k0 + n - i0, e + 1, 0, nxt))
+            del segs[:-4]
+        for k0, e, i0, n in reversed(segs):
+            if k >= k0:
+                return e, i0 + (k - k0), n
+        raise AssertionError("unreachable")
+
+    def _decode_slot(self, epoch: int, index: int, slot: int, pb) -> tuple:
+        t, h, w = pb.size
+        row = int(pb.rows[slot])
+        for attempt in range(MAX_REPLACEMENTS + 1):
+            rng = np.random.default_rng([self.seed, epoch, row, 1])  # the temporal crop of this row
+            try:
+                video, fps = load_sample(self.table.path(row), t, h, w, frame_interval=self.frame_interval,
+                                         rng=rng, num_frames_hint=int(self.table.num_frames[row]))
+                return row, video, fps, attempt
+            except DecodeError as e:
+                print(f"[jaxsora.data] skipped row {row}: {e}", file=sys.stderr, flush=True)
+                same_bucket = self.planner.bucket_rows(epoch, pb.bucket)
+                pick = np.random.default_rng([self.seed, epoch, index, slot, attempt + 1])
+                row = int(same_bucket[pick.integers(len(same_bucket))])
+        raise DecodeError(f"{MAX_REPLACEMENTS} replacement samples in bucket {pb.bucket} failed to decode; "
+                          "check the dataset (python -m data_tools.meta lists unreadable files)")
+
+    def __getitem__(self, k: int) -> dict:
+        epoch, index, n = self.position(int(k))
+        pb = self.planner.plan(epoch)[index]
+        share = len(pb.rows) // self.process_count
+        slots = range(self.process_index * share, (self.process_index + 1) * share)
+        results = [self._decode_slot(epoch, index, s, pb) for s in slots]
+        rows = np.array([r[0] for r in results], np.int64)
+        t, h, w = pb.size
+        return dict(
+            video=np.stack([r[1] for r in results]), text=np.array([self.table.text(r) for r in rows], object),
+            fps=np.array([r[2] for r in results], np.float32), height=np.full(len(rows), h, np.float32),
+            width=np.full(len(rows), w, np.float32), num_frames=np.full(len(rows), t, np.int32), row=rows,
+            skipped=np.int64(sum(r[3] for r in results)), epoch=epoch, index=index + 1, epoch_batches=n,
+            bucket=(pb.bucket[0], t, h, w),
+        )
 
 
 class VideoLoader:
+    """Global batches of the reference's bucket shapes from a table of videos and images.
+
+    num_workers: grain worker processes decoding batches (0: decode in this process).
+    decode_threads: grain read threads per process (batches decoded concurrently in each).
+    prefetch: batches buffered ahead per worker (and in this process).
+    index_dir: where the memory-mapped table index goes (default: a temporary folder); an index of
+    the same table files found there is reused.
+    """
+
     def __init__(self, table: str, bucket_config: Mapping, *, seed: int, data_parallel_size: int,
-                 process_index: int = 0, process_count: int = 1, num_workers: int = 0, frame_interval: int = 1,
-                 extra_resolutions: Optional[Mapping] = None, prefetch: int = 2):
-        self.df = read_table(table)
+                 process_index: int = 0, process_count: int = 1, num_workers: int = 0, decode_threads: int = 1,
+                 frame_interval: int = 1, extra_resolutions: Optional[Mapping] = None, prefetch: int = 2,
+                 index_dir: Optional[str] = None, progress: bool = True):
+        if index_dir and int(process_count) > 1:  # one index per host, even on a shared filesystem
+            index_dir = f"{index_dir.rstrip('/')}/host{int(process_index)}"
+        self.table = TableIndex.build(table, index_dir, progress=progress)
         self.bucket_config = normalize_bucket_config(bucket_config)
+        self.extra_resolutions = extra_resolutions
         self.buckets = Buckets(self.bucket_config, extra_resolutions)
         self.seed, self.dp, self.frame_interval = int(seed), int(data_parallel_size), int(frame_interval)
+        if self.dp % int(process_count):
+            raise ValueError(f"data-parallel size {self.dp} is not a multiple of the process count {process_count}")
         self.process_index, self.process_count = int(process_index), int(process_count)
-        self.num_workers, self.prefetch = int(num_workers), int(prefetch)
+        self.num_workers, self.decode_threads = int(num_workers), max(1, int(decode_threads))
+        self.prefetch = max(1, int(prefetch))
         self.fingerprint = plan_lib.make_fingerprint(
-            fingerprint(self.df), {k: {str(f): v for f, v in fr.items()} for k, fr in self.bucket_config.items()},
+            self.table.fingerprint,
+            {k: {str(f): v for f, v in fr.items()} for k, fr in self.bucket_config.items()},
             self.seed, self.dp, self.frame_interval)
         self.epoch = 0
         self.index = 0  # batches completed in the epoch (after the last one yielded)
         self.num_skipped = 0
-        self._plans: dict[int, list] = {}
-        self._bucket_cache: dict = {}
-        self._texts = self.df["text"].to_numpy()
-        self._paths = self.df["path"].to_numpy()
-        self._nframes = self.df["num_frames"].to_numpy()
+        self._planner = plan_lib.Planner((self.table.num_frames, self.table.height, self.table.width),
+                                         self.buckets, seed=self.seed, dp=self.dp, frame_interval=self.frame_interval)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.table)
 
     # ---- plan ---------------------------------------------------------------------------------
     def plan(self, epoch: int) -> list:
-        if epoch not in self._plans:
-            self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}  # this and the last epoch
-            self._plans[epoch] = plan_lib.epoch_plan(self.df, self.buckets, seed=self.seed, epoch=epoch, dp=self.dp,
-                                                     frame_interval=self.frame_interval)
-        return self._plans[epoch]
+        return self._planner.plan(epoch)
 
     def steps_per_epoch(self, epoch: int = 0) -> int:
         return len(self.plan(epoch))
@@ -61,7 +182,7 @@ class VideoLoader:
     def describe_plan(self, epoch: int = 0) -> list:
         """[(bucket (res, T, H, W), batches this epoch, global batch, rows assigned)] per (res, T, H, W),
         in order of first appearance; a bucket whose rows cannot fill one global batch shows 0 batches."""
-        groups = plan_lib.assign_rows(self.df, self.buckets, seed=self.seed, epoch=epoch,
+        groups = plan_lib.assign_rows(self._planner.sizes, self.buckets, seed=self.seed, epoch=epoch,
                                       frame_interval=self.frame_interval)
         counts = collections.OrderedDict()
         for b, rows in groups.items():
@@ -82,91 +203,38 @@ class VideoLoader:
         plan_lib.check_state(state, self.fingerprint)
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
-    def _bucket_rows(self, epoch: int, bucket: tuple) -> np.ndarray:
-        """Every row planned into `bucket` this epoch (the replacement pool for unreadable files)."""
-        key = (epoch, bucket)
-        if key not in self._bucket_cache:
-            self._bucket_cache = {k: v for k, v in self._bucket_cache.items() if k[0] >= epoch - 1}
-            self._bucket_cache[key] = np.concatenate([p.rows for p in self.plan(epoch) if p.bucket == bucket])
-        return self._bucket_cache[key]
+    # ---- iteration ----------------------------------------------------------------------------
+    def dataset(self):
+        """The grain pipeline from the current position: a `MapDataset` over the plan, read by
+        `decode_threads` threads, in `num_workers` processes."""
+        import grain
 
-    # ---- decoding -----------------------------------------------------------------------------
-    def _decode_slot(self, epoch: int, index: int, slot: int, pb) -> tuple:
-        t, h, w = pb.size
-        same_bucket = self._bucket_rows(epoch, pb.bucket)
-        row = int(pb.rows[slot])
-        for attempt in range(MAX_REPLACEMENTS + 1):
-            rng = np.random.default_rng([self.seed, epoch, row, 1])  # the temporal crop of this row
-            try:
-                video, fps = load_sample(self._paths[row], t, h, w, frame_interval=self.frame_interval, rng=rng,
-                                         num_frames_hint=int(self._nframes[row]))
-                return row, video, fps, attempt
-            except DecodeError as e:
-                print(f"[jaxsora.data] skipped row {row}: {e}", file=sys.stderr)
-                pick = np.random.default_rng([self.seed, epoch, index, slot, attempt + 1])
-                row = int(same_bucket[pick.integers(len(same_bucket))])
-        raise DecodeError(f"{MAX_REPLACEMENTS} replacement samples in bucket {pb.bucket} failed to decode; "
-                          "check the dataset (python -m data_tools.meta lists unreadable files)")
+        source = _PlanSource(self.table, self.bucket_config, self.extra_resolutions, seed=self.seed, dp=self.dp,
+                             frame_interval=self.frame_interval, process_index=self.process_index,
+                             process_count=self.process_count, epoch=self.epoch, index=self.index,
+                             planner=self._planner)
+        ds = grain.MapDataset.source(source).to_iter_dataset(
+            grain.ReadOptions(num_threads=self.decode_threads, prefetch_buffer_size=self.prefetch))
+        if self.num_workers > 0:
+            from absl import flags
 
-    def _host_batch(self, pool, epoch: int, index: int) -> dict:
-        pb = self.plan(epoch)[index]
-        share = len(pb.rows) // self.process_count
-        slots = range(self.process_index * share, (self.process_index + 1) * share)
-        if pool is None:
-            results = [self._decode_slot(epoch, index, s, pb) for s in slots]
-        else:
-            results = list(pool.map(lambda s: self._decode_slot(epoch, index, s, pb), slots))
-        rows = np.array([r[0] for r in results], np.int64)
-        t, h, w = pb.size
-        return dict(
-            video=np.stack([r[1] for r in results]), text=np.array([self._texts[r] for r in rows], object),
-            fps=np.array([r[2] for r in results], np.float32), height=np.full(len(rows), h, np.float32),
-            width=np.full(len(rows), w, np.float32), num_frames=np.full(len(rows), t, np.int32), row=rows,
-            skipped=sum(r[3] for r in results), epoch=epoch, index=index + 1, bucket=(pb.bucket[0], t, h, w),
-        )
+            if not flags.FLAGS.is_parsed():  # grain reads its absl flags when it starts workers; outside
+                flags.FLAGS.mark_as_parsed()  # an absl app (tests, notebooks) their defaults apply
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers,
+                                                             per_worker_buffer_size=self.prefetch))
+        return ds
 
     def __iter__(self) -> Iterator[dict]:
-        # Decoding threads, and one more thread that assembles batches ahead (separate pools: a
-        # batch task waiting on decode tasks of its own pool could deadlock).
-        pool = cf.ThreadPoolExecutor(self.num_workers) if self.num_workers > 0 else None
-        assembler = cf.ThreadPoolExecutor(1) if self.num_workers > 0 else None
-        ahead: "collections.deque" = collections.deque()
-        epoch, index = self.epoch, self.index
-
-        def positions():
-            e, i = epoch, index
-            empty = 0
-            while True:
-                n = len(self.plan(e))
-                empty = empty + 1 if n == 0 else 0
-                if empty >= 3:  # an epoch can come up empty by chance (keep probabilities); three cannot
-                    raise ValueError(f"epochs {e - 2}..{e} have no full batch: the table has too few rows for the "
-                                     "bucket config's batch sizes × data-parallel size (see --dry-run)")
-                while i < n:
-                    yield e, i
-                    i += 1
-                e, i = e + 1, 0
-
-        pos = positions()
+        it = iter(self.dataset())
         try:
-            while True:
-                while len(ahead) < max(1, self.prefetch):
-                    e, i = next(pos)
-                    if pool is None:
-                        ahead.append(self._host_batch(None, e, i))
-                    else:
-                        ahead.append(assembler.submit(self._host_batch, pool, e, i))
-                item = ahead.popleft()
-                batch = item if isinstance(item, dict) else item.result()
+            for batch in it:
                 self.num_skipped += int(batch.pop("skipped"))
-                self.epoch, self.index = batch["epoch"], batch["index"]
-                if self.index >= len(self.plan(self.epoch)):
+                n = int(batch.pop("epoch_batches"))
+                self.epoch, self.index = int(batch["epoch"]), int(batch["index"])
+                if self.index >= n:
                     self.epoch, self.index = self.epoch + 1, 0
                 yield batch
         finally:
-            if pool is not None:
-                try:
-                    assembler.shutdown(wait=False, cancel_futures=True)
-                    pool.shutdown(wait=False, cancel_futures=True)
-                except (AttributeError, TypeError):  # interpreter teardown: the pools are gone already
-                    pass
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()

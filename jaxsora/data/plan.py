@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -55,19 +56,22 @@ def check_state(saved: dict, current: dict) -> None:
               "(the optimizer state is kept), or restore the original data setup.")
 
 
-def assign_rows(df, buckets, *, seed: int, epoch: int, frame_interval: int = 1) -> "OrderedDict[tuple, list[int]]":
-    """bucket → rows, buckets in order of first appearance in the table (as the reference)."""
-    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
-    t, h, w = df["num_frames"].to_numpy(), df["height"].to_numpy(), df["width"].to_numpy()
-    for row in range(len(df)):
-        b = buckets.assign(int(t[row]), int(h[row]), int(w[row]), buckets.row_seed(seed, epoch, row), frame_interval)
-        if b is not None:
-            groups.setdefault(b, []).append(row)
-    return groups
+def assign_rows(sizes, buckets, *, seed: int, epoch: int, frame_interval: int = 1) -> "OrderedDict[tuple, np.ndarray]":
+    """bucket → its rows (ascending), buckets in order of first appearance in the table (as the
+    reference). sizes: (num_frames, height, width), each [N] int."""
+    t, h, w = (np.asarray(a, np.int64) for a in sizes)
+    seeds = buckets.row_seeds(seed, epoch, np.arange(len(t)))
+    codes = buckets.assign_many(t, h, w, seeds, frame_interval)
+    kept = np.nonzero(codes >= 0)[0]
+    order = kept[np.argsort(codes[kept], kind="stable")]  # rows grouped by code, ascending within
+    bounds = np.flatnonzero(np.diff(codes[order])) + 1
+    groups = np.split(order, bounds) if len(order) else []
+    groups.sort(key=lambda rows: rows[0])  # first appearance
+    return OrderedDict((buckets.bucket_keys[int(codes[g[0]])], g) for g in groups)
 
 
-def epoch_plan(df, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1) -> list[PlannedBatch]:
-    groups = assign_rows(df, buckets, seed=seed, epoch=epoch, frame_interval=frame_interval)
+def epoch_plan(sizes, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1) -> list[PlannedBatch]:
+    groups = assign_rows(sizes, buckets, seed=seed, epoch=epoch, frame_interval=frame_interval)
     rng = np.random.default_rng([seed, epoch])
     per_bucket, access = {}, []
     for b, rows in groups.items():
@@ -75,7 +79,7 @@ def epoch_plan(df, buckets, *, seed: int, epoch: int, dp: int, frame_interval: i
         n = len(rows) // gbs
         if n == 0:
             continue
-        rows = np.asarray(rows)[rng.permutation(len(rows))][: n * gbs]
+        rows = rows[rng.permutation(len(rows))][: n * gbs]
         per_bucket[b] = rows.reshape(n, gbs)
         access += [b] * n
     order = rng.permutation(len(access))
@@ -86,3 +90,33 @@ def epoch_plan(df, buckets, *, seed: int, epoch: int, dp: int, frame_interval: i
         plan.append(PlannedBatch(b, buckets.target_size(b), per_bucket[b][used[b]]))
         used[b] += 1
     return plan
+
+
+class Planner:
+    """Epoch plans of one table (its size columns), bucket setup, seed and data-parallel size, kept
+    for the current and the previous epoch. Thread-safe (grain may read from several threads)."""
+
+    def __init__(self, sizes, buckets, *, seed: int, dp: int, frame_interval: int = 1):
+        self.sizes, self.buckets = sizes, buckets
+        self.seed, self.dp, self.frame_interval = int(seed), int(dp), int(frame_interval)
+        self._plans: dict[int, list] = {}
+        self._pools: dict = {}
+        self._lock = threading.Lock()
+
+    def plan(self, epoch: int) -> list[PlannedBatch]:
+        with self._lock:
+            if epoch not in self._plans:
+                self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
+                self._plans[epoch] = epoch_plan(self.sizes, self.buckets, seed=self.seed, epoch=epoch, dp=self.dp,
+                                                frame_interval=self.frame_interval)
+            return self._plans[epoch]
+
+    def bucket_rows(self, epoch: int, bucket: tuple) -> np.ndarray:
+        """Every row planned into `bucket` this epoch (the replacement pool for unreadable files)."""
+        plan = self.plan(epoch)
+        with self._lock:
+            key = (epoch, bucket)
+            if key not in self._pools:
+                self._pools = {k: v for k, v in self._pools.items() if k[0] >= epoch - 1}
+                self._pools[key] = np.concatenate([p.rows for p in plan if p.bucket == bucket])
+            return self._pools[key]

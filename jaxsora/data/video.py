@@ -4,7 +4,12 @@ Videos: one container per sample, opened and closed in a `with` block (container
 garbage collector froze the reference's training); frames are decoded forward only up to the last
 one needed (no full decode). Temporal crop: span = T·frame_interval, begin drawn from
 [0, max(0, N − span − 1)], indices linspace(begin, end−1, T). Then resize-to-cover (bilinear)
-and center crop to (H, W), scaled to [-1, 1]. Images: resize-to-cover (bicubic), 1 frame, fps 120.
+and center crop to (H, W). Images: resize-to-cover (bicubic), 1 frame, fps 120.
+
+Samples leave the loader as uint8 [3, T, H, W] (a quarter of the float32 bytes through worker
+shared memory, host RAM and the host→device copy); `to_model_range` — x / 127.5 − 1, the
+reference's Normalize(0.5, 0.5) — maps them to [-1, 1], on the host here or inside the jitted
+train step (`jaxsora.train.step`), with the same float32 result.
 """
 from __future__ import annotations
 
@@ -46,14 +51,19 @@ def resize_crop(frames: np.ndarray, h: int, w: int, resample=Image.BILINEAR) -> 
     return out
 
 
-def to_model_range(frames: np.ndarray) -> np.ndarray:
-    """[T, H, W, 3] uint8 → [3, T, H, W] float32 in [-1, 1] (Normalize(0.5, 0.5))."""
-    return (np.transpose(frames, (3, 0, 1, 2)).astype(np.float32) / 127.5) - 1.0
+def to_model_range(video):
+    """uint8 video (any layout, numpy or jax) → float32 in [-1, 1] (Normalize(0.5, 0.5))."""
+    return video.astype(np.float32) / 127.5 - 1.0
+
+
+def channels_first(frames: np.ndarray) -> np.ndarray:
+    """[T, H, W, 3] → [3, T, H, W] (contiguous)."""
+    return np.ascontiguousarray(np.transpose(frames, (3, 0, 1, 2)))
 
 
 def load_sample(path: str, t: int, h: int, w: int, *, frame_interval: int, rng: np.random.Generator,
                 num_frames_hint: int | None = None) -> tuple[np.ndarray, float]:
-    """→ (video [3, T, H, W] float32 in [-1, 1], fps). Raises DecodeError for anything unreadable."""
+    """→ (video [3, T, H, W] uint8, fps). Raises DecodeError for anything unreadable."""
     if not os.path.exists(path):
         raise DecodeError(f"missing file: {path}")
     if os.path.getsize(path) == 0:
@@ -64,7 +74,7 @@ def load_sample(path: str, t: int, h: int, w: int, *, frame_interval: int, rng: 
                 arr = np.asarray(im.convert("RGB"))
         except Exception as e:
             raise DecodeError(f"cannot read image {path}: {e}") from e
-        return to_model_range(resize_crop(arr[None], h, w, Image.BICUBIC)), IMG_FPS
+        return channels_first(resize_crop(arr[None], h, w, Image.BICUBIC)), IMG_FPS
     import av
 
     try:
@@ -91,7 +101,7 @@ def load_sample(path: str, t: int, h: int, w: int, *, frame_interval: int, rng: 
         raise DecodeError(f"{path}: only {len(got)} of the {len(wanted)} needed frames decode (truncated?)")
     frames = np.stack([got[i] for i in idx])
     # fps fed to the model: video fps // frame_interval (a float floor, as the reference)
-    return to_model_range(resize_crop(frames, h, w)), float(fps // frame_interval)
+    return channels_first(resize_crop(frames, h, w)), float(fps // frame_interval)
 
 
 def write_mp4(frames: np.ndarray, path: str, fps: float, crf: int = 18) -> str:

@@ -424,7 +424,8 @@ def _global_batch(host: dict, text_encoder, sharding, text_cache=None) -> dict:
     else:
         ids, tmask = text_encoder.tokenize(texts)
         ids = ids.astype(np.int32)
-    local = dict(video=np.asarray(host["video"], np.float32), ids=ids,
+    video = np.asarray(host["video"])  # uint8 from the loader: the step maps it to [-1, 1]
+    local = dict(video=video if video.dtype == np.uint8 else video.astype(np.float32), ids=ids,
                  text_mask=tmask.astype(np.int32), fps=np.asarray(host["fps"], np.float32),
                  height=np.asarray(host["height"], np.float32), width=np.asarray(host["width"], np.float32),
                  num_frames=np.asarray(host["num_frames"], np.float32))
@@ -447,7 +448,8 @@ def _default_loader(config, dp: int):
     return VideoLoader(dcfg.table, buckets, seed=int(dcfg.get("seed", config.train.seed)),
                        data_parallel_size=dp, process_index=jax.process_index(),
                        process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
-                       frame_interval=int(dcfg.get("frame_interval", 1)),
+                       decode_threads=int(dcfg.get("decode_threads", 1)), prefetch=int(dcfg.get("prefetch", 2)),
+                       index_dir=dcfg.get("index_dir") or None, frame_interval=int(dcfg.get("frame_interval", 1)),
                        extra_resolutions=_plain(dcfg.resolutions) if dcfg.get("resolutions") else None)
 
 
@@ -481,7 +483,7 @@ def _dry_run(config, mcfg, loader, abstract_model, mesh, outdir) -> dict:
              f"(activations extra; remat={'on' if mcfg.remat else 'off'})"]
     plan = loader.describe_plan(0)
     total = 0
-    lines.append(f"epoch 0 plan ({len(loader.df)} rows in the table):")
+    lines.append(f"epoch 0 plan ({loader.num_rows} rows in the table):")
     lines.append(f"{'bucket (res, frames, H, W)':<32} {'rows':>7} {'batches/epoch':>14} {'global batch':>13}")
     for bucket, nb, gb, rows in plan:
         lines.append(f"{str(bucket):<32} {rows:>7} {nb:>14} {gb:>13}")

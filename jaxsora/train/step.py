@@ -19,6 +19,7 @@ import optax
 from flax import nnx, struct
 
 from jaxsora.diffusion import rflow
+from jaxsora.data.video import to_model_range
 from jaxsora.diffusion.masks import MaskGenerator
 from jaxsora.models.stdit3 import STDiT3, trainable_filter
 from jaxsora.train.optim import ema_update
@@ -69,8 +70,8 @@ def make_train_step(
 ):
     """Returns `step(state, batch, encoders) -> (state, metrics)`, to be jitted by the caller.
 
-    batch: video [B, 3, T, H, W] f32 in [-1, 1]; ids/text_mask [B, L] int32; fps/height/width
-    [B] f32 (pixels); num_frames [B] f32 (pixel frames).
+    batch: video [B, 3, T, H, W] uint8 (mapped to [-1, 1] here) or f32 in [-1, 1]; ids/text_mask
+    [B, L] int32; fps/height/width [B] f32 (pixels); num_frames [B] f32 (pixel frames).
     encoders: the frozen encoders' weights (any pytree), passed as jit *arguments* so that large
     VAE/T5 weights are not baked into the executable as constants.
     encode_video(encoders, video, key) → latents [B, C, T', H', W'] (no gradient);
@@ -82,7 +83,10 @@ def make_train_step(
     def step(state: TrainState, batch: dict, encoders=None):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         k_vae, k_mask, k_loss, k_drop = jax.random.split(key, 4)
-        x0 = jax.lax.stop_gradient(encode_video(encoders, batch["video"], k_vae).astype(jnp.float32))
+        video = batch["video"]
+        if video.dtype == jnp.uint8:
+            video = to_model_range(video)
+        x0 = jax.lax.stop_gradient(encode_video(encoders, video, k_vae).astype(jnp.float32))
         y = jax.lax.stop_gradient(encode_text(encoders, batch["ids"], batch["text_mask"]))[:, None]
         b, t = x0.shape[0], x0.shape[2]
         x_mask = mask_gen.get_masks(k_mask, b, t) if mask_gen is not None else None

@@ -53,6 +53,10 @@ class FakeLoader:
     def steps_per_epoch(self, epoch=0):
         return self.n
 
+    @property
+    def num_rows(self):
+        return self.n * self.bs * self.dp
+
     def describe_plan(self, epoch=0):
         return [(("fake", self.frames, *self.size), self.n, self.bs * self.dp, self.n * self.bs * self.dp)]
 

@@ -1,5 +1,6 @@
-"""Training on the real loader (synthetic videos), with T5 in the step and from a text-state cache:
-the first step's loss is the same either way."""
+"""Training on the real loader (synthetic videos), with T5 in the step and decoding in the train
+process, then from a text-state cache and decoding in a grain worker process: the first step's loss
+is the same either way."""
 import json
 import os
 
@@ -41,6 +42,7 @@ def test_train_on_videos_with_and_without_text_cache(dataset, tmp_path):
     texts = list(__import__("pandas").read_csv(dataset / "meta.csv")["text"])
     write_cache(str(tmp_path / "cache"), texts, encoder, encoder_config=cfg.text_encoder.to_dict(), num_shards=2,
                 batch_size=8, store_dtype="float32", table_path=str(dataset / "meta.csv"))
-    cached = train(_config(tmp_path / "cached", dataset, text_cache=str(tmp_path / "cache")), RunOptions())
+    cached = train(_config(tmp_path / "cached", dataset, text_cache=str(tmp_path / "cache"), num_workers=1),
+                   RunOptions())
     assert cached["steps"] == 2
     assert _loss(tmp_path / "cached" / "run", 1) == pytest.approx(_loss(tmp_path / "t5" / "run", 1), rel=1e-5)
