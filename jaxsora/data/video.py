@@ -44,6 +44,8 @@ def resize_crop(frames: np.ndarray, h: int, w: int, resample=Image.BILINEAR) -> 
     scale = max(h / h0, w / w0)
     nh, nw = max(h, round(h0 * scale)), max(w, round(w0 * scale))
     top, left = int(round((nh - h) / 2.0)), int(round((nw - w) / 2.0))
+    if (nh, nw) == (h0, w0):  # already covering at this size: PIL's resize would return a copy
+        return np.ascontiguousarray(frames[:, top:top + h, left:left + w])
     out = np.empty((frames.shape[0], h, w, 3), np.uint8)
     for i, f in enumerate(frames):
         img = Image.fromarray(f).resize((nw, nh), resample)

@@ -201,3 +201,14 @@ def test_two_jax_distributed_hosts_assemble_the_one_host_batches(dataset, tmp_pa
             np.testing.assert_array_equal(h[f"row{i}"], ref["row"])
             np.testing.assert_array_equal(h[f"video{i}"], ref["video"])
     np.testing.assert_array_equal(hosts[0]["state"], [single.state()["epoch"], single.state()["index"]])
+
+
+def test_same_size_crop_equals_the_pil_path():
+    from PIL import Image
+
+    from jaxsora.data.video import resize_crop
+
+    frames = np.random.default_rng(0).integers(0, 256, (2, 24, 40, 3), dtype=np.uint8)
+    pil = np.stack([np.asarray(Image.fromarray(f).resize((40, 24), Image.BILINEAR)) for f in frames])
+    np.testing.assert_array_equal(resize_crop(frames, 24, 40), pil)
+    np.testing.assert_array_equal(resize_crop(frames, 24, 30), pil[:, :, 5:35])
