@@ -153,17 +153,23 @@ class Buckets:
             for f, prob in probs.items():  # descending frame counts
                 if not len(pending):
                     break
+                if f == 1:  # a video never takes f = 1; each f has its own generator, so no draw to skip
+                    continue
+                # Only rows with T > f·interval can take f: the others' draws (a fresh generator) don't matter.
+                eligible = t[pending] > f * frame_interval
+                rows = pending[eligible]
+                if not len(rows):
+                    continue
                 tup = isinstance(prob, tuple)
-                draws = uniforms(seeds[pending] + np.uint64(bid[f]), 2 if tup else 1) if tup or prob < 1 else None
-                passed = draws[:, 0] <= prob[1] if tup else np.ones(len(pending), bool)
-                chosen = passed & (t[pending] > f * frame_interval) & (f != 1)
                 p = prob[0] if tup else prob
-                if p >= 1:
-                    kept = chosen
-                else:  # the same generator's next draw: the second for a tuple entry, else the first
-                    kept = chosen & (draws[:, 1 if tup else 0] < p)
-                keep(pending[kept], f)
-                pending = pending[~chosen]  # chosen but not kept: on to the next resolution
+                n_draws = int(tup) + int(p < 1)
+                draws = uniforms(seeds[rows] + np.uint64(bid[f]), n_draws) if n_draws else None
+                passed = draws[:, 0] <= prob[1] if tup else np.ones(len(rows), bool)
+                # p < 1: the same generator's next draw (the second for a tuple entry, else the first).
+                kept = passed & (draws[:, n_draws - 1] < p) if p < 1 else passed
+                keep(rows[kept], f)
+                # Chosen (passed) but not kept: on to the next resolution, not a shorter f.
+                pending = np.concatenate([pending[~eligible], rows[~passed]])
         return codes
 
     def row_seeds(self, seed: int, epoch: int, rows) -> np.ndarray:

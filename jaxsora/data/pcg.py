@@ -7,28 +7,47 @@ This reimplements numpy's path in vectorized uint32/uint64 arithmetic (numpy ≥
   SeedSequence(s): entropy = s as little-endian uint32 words, mixed into a 4-word pool
   → generate_state(4, uint64) → PCG64 seed (state, inc) → per draw: 128-bit LCG step, XSL-RR
   output → double = (u64 >> 11) · 2⁻⁵³.
-`tests/data/test_assign_vectorized.py` checks it against numpy itself.
+SeedSequence's hash constants evolve independently of the data, so they are precomputed as scalars;
+seeds are processed in cache-sized chunks. `tests/data/test_assign_vectorized.py` checks the result
+against numpy itself.
 """
 from __future__ import annotations
 
 import numpy as np
 
 # SeedSequence's hash constants (numpy/random/bit_generator.pyx).
-INIT_A, MULT_A = np.uint32(0x43B0D7E5), np.uint32(0x931E8875)
-INIT_B, MULT_B = np.uint32(0x8B51F9DD), np.uint32(0x58F38DED)
+INIT_A, MULT_A = 0x43B0D7E5, 0x931E8875
+INIT_B, MULT_B = 0x8B51F9DD, 0x58F38DED
 MIX_MULT_L, MIX_MULT_R = np.uint32(0xCA01F9DD), np.uint32(0x4973F715)
 XSHIFT = np.uint32(16)
 POOL_SIZE = 4
 # PCG64's default 128-bit multiplier (pcg64.h PCG_DEFAULT_MULTIPLIER_HIGH/LOW).
 MULT_HI, MULT_LO = np.uint64(2549297995355413924), np.uint64(4865540595714422341)
 M32 = np.uint64(0xFFFFFFFF)
+_U32, _U1, _U11, _U58, _U63, _U64 = (np.uint64(k) for k in (32, 1, 11, 58, 63, 64))
+_MLO0, _MLO1 = MULT_LO & M32, MULT_LO >> _U32
+_CHUNK = 1 << 15  # seeds per pass: the temporaries stay in cache
 
 
-def _hashmix(value, hash_const):
-    value = value ^ hash_const
-    hash_const = hash_const * MULT_A
-    value = value * hash_const
-    return value ^ (value >> XSHIFT), hash_const
+def _const_sequence(init: int, mult: int, n: int) -> list:
+    """hash_const before each of n hashmix calls, paired with the multiplier applied after the xor."""
+    out, hc = [], init
+    for _ in range(n):
+        nxt = (hc * mult) & 0xFFFFFFFF
+        out.append((np.uint32(hc), np.uint32(nxt)))
+        hc = nxt
+    return out
+
+
+# mix_entropy: 4 hashmix calls filling the pool, then 12 (src, dst) mixes; generate_state: 8 words.
+_HASH_A = _const_sequence(INIT_A, MULT_A, POOL_SIZE + POOL_SIZE * (POOL_SIZE - 1))
+_HASH_B = _const_sequence(INIT_B, MULT_B, 2 * POOL_SIZE)
+
+
+def _hashmix(value, k):
+    xor, mul = _HASH_A[k]
+    value = (value ^ xor) * mul
+    return value ^ (value >> XSHIFT)
 
 
 def _mix(x, y):
@@ -36,76 +55,57 @@ def _mix(x, y):
     return r ^ (r >> XSHIFT)
 
 
-def _seed_pool(seeds: np.ndarray) -> list:
-    """SeedSequence.mix_entropy for 1- or 2-word entropy: → 4 uint32 arrays."""
-    lo = (seeds & M32).astype(np.uint32)
-    hi = (seeds >> np.uint64(32)).astype(np.uint32)
-    two = hi != 0  # entropy has 2 words only when s ≥ 2**32
-    zero = np.zeros_like(lo)
-    hc = np.full_like(lo, INIT_A)
-    pool = []
-    for i, word in enumerate([lo, np.where(two, hi, zero), zero, zero]):
-        v, hc = _hashmix(word, hc)
-        pool.append(v)
+def _seed_state(seeds: np.ndarray) -> tuple:
+    """SeedSequence(s).generate_state(4, uint64) → 4 uint64 arrays. The entropy is [lo] or [lo, hi];
+    a missing word hashes like a zero word, so [lo, hi] serves both."""
+    pool = [_hashmix((seeds & M32).astype(np.uint32), 0), _hashmix((seeds >> _U32).astype(np.uint32), 1),
+            _hashmix(np.uint32(0), 2), _hashmix(np.uint32(0), 3)]  # the last two are constants
+    k = POOL_SIZE
     for src in range(POOL_SIZE):
         for dst in range(POOL_SIZE):
             if src != dst:
-                h, hc = _hashmix(pool[src], hc)
-                pool[dst] = _mix(pool[dst], h)
-    return pool
-
-
-def _generate_state(pool: list) -> list:
-    """SeedSequence.generate_state(4, uint64): → 4 uint64 arrays."""
-    hc = np.full_like(pool[0], INIT_B)
+                pool[dst] = _mix(pool[dst], _hashmix(pool[src], k))
+                k += 1
     words = []
-    for i in range(2 * POOL_SIZE):
-        v = pool[i % POOL_SIZE] ^ hc
-        hc = hc * MULT_B
-        v = v * hc
+    for i, (xor, mul) in enumerate(_HASH_B):
+        v = (pool[i % POOL_SIZE] ^ xor) * mul
         words.append((v ^ (v >> XSHIFT)).astype(np.uint64))
-    return [words[2 * k] | (words[2 * k + 1] << np.uint64(32)) for k in range(POOL_SIZE)]
-
-
-def _mul64(a, b):
-    """Full 64×64 → (hi, lo) product of uint64 arrays, via 32-bit limbs."""
-    a0, a1, b0, b1 = a & M32, a >> np.uint64(32), b & M32, b >> np.uint64(32)
-    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
-    mid = (p00 >> np.uint64(32)) + (p01 & M32) + (p10 & M32)
-    lo = (p00 & M32) | (mid << np.uint64(32))
-    hi = p11 + (p01 >> np.uint64(32)) + (p10 >> np.uint64(32)) + (mid >> np.uint64(32))
-    return hi, lo
-
-
-def _add128(ah, al, bh, bl):
-    lo = al + bl
-    return ah + bh + (lo < al).astype(np.uint64), lo
+    return tuple(words[2 * j] | (words[2 * j + 1] << _U32) for j in range(POOL_SIZE))
 
 
 def _step(sh, sl, ih, il):
-    """state = state · MULT + inc (mod 2**128)."""
-    hi, lo = _mul64(sl, MULT_LO)
-    hi = hi + sl * MULT_HI + sh * MULT_LO
-    return _add128(hi, lo, ih, il)
+    """(state · MULT + inc) mod 2**128 on (hi, lo) uint64 pairs; sl · MULT_LO via 32-bit limbs."""
+    a0, a1 = sl & M32, sl >> _U32
+    p00, p01, p10 = a0 * _MLO0, a0 * _MLO1, a1 * _MLO0
+    mid = (p00 >> _U32) + (p01 & M32) + (p10 & M32)
+    lo = (p00 & M32) | (mid << _U32)
+    hi = a1 * _MLO1 + (p01 >> _U32) + (p10 >> _U32) + (mid >> _U32) + sl * MULT_HI + sh * MULT_LO
+    lo2 = lo + il
+    return hi + ih + (lo2 < lo), lo2
+
+
+def _uniforms_chunk(seeds: np.ndarray, out: np.ndarray) -> None:
+    s_hi, s_lo, i_hi, i_lo = _seed_state(seeds)  # pcg64_set_seed: PCG_128BIT_CONSTANT(high, low)
+    inc_hi = (i_hi << _U1) | (i_lo >> _U63)  # srandom: inc = (initseq << 1) | 1
+    inc_lo = (i_lo << _U1) | _U1
+    st_lo = inc_lo + s_lo  # state = 0; step (→ inc); state += initstate; step
+    st_hi = inc_hi + s_hi + (st_lo < s_lo)
+    st_hi, st_lo = _step(st_hi, st_lo, inc_hi, inc_lo)
+    for k in range(out.shape[1]):
+        st_hi, st_lo = _step(st_hi, st_lo, inc_hi, inc_lo)  # next64: step, then XSL-RR of the new state
+        x = st_hi ^ st_lo
+        rot = st_hi >> _U58
+        u = (x >> rot) | (x << ((_U64 - rot) & _U63))
+        out[:, k] = u >> _U11
+    out *= 1.0 / 9007199254740992.0  # (u64 >> 11) · 2⁻⁵³, exact
 
 
 def uniforms(seeds, n: int = 1) -> np.ndarray:
     """[len(seeds), n] float64: row i equals `np.random.default_rng(int(seeds[i])).random(n)`.
     seeds: non-negative integers < 2**64."""
     seeds = np.asarray(seeds, dtype=np.uint64).ravel()
+    out = np.empty((len(seeds), n), np.float64)
     with np.errstate(over="ignore"):
-        s_hi, s_lo, i_hi, i_lo = _generate_state(_seed_pool(seeds))  # PCG_128BIT_CONSTANT(high, low)
-        inc_hi = (i_hi << np.uint64(1)) | (i_lo >> np.uint64(63))  # inc = (initseq << 1) | 1
-        inc_lo = (i_lo << np.uint64(1)) | np.uint64(1)
-        zero = np.zeros_like(seeds)
-        st_hi, st_lo = _step(zero, zero, inc_hi, inc_lo)  # state = 0; step; state += initstate; step
-        st_hi, st_lo = _add128(st_hi, st_lo, s_hi, s_lo)
-        st_hi, st_lo = _step(st_hi, st_lo, inc_hi, inc_lo)
-        out = np.empty((len(seeds), n), np.float64)
-        for k in range(n):
-            st_hi, st_lo = _step(st_hi, st_lo, inc_hi, inc_lo)
-            x = st_hi ^ st_lo
-            rot = st_hi >> np.uint64(58)
-            u = (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
-            out[:, k] = (u >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+        for a in range(0, len(seeds), _CHUNK):
+            _uniforms_chunk(seeds[a:a + _CHUNK], out[a:a + _CHUNK])
     return out

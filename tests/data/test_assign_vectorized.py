@@ -22,7 +22,8 @@ def _stage_buckets(name):
 def test_uniforms_equal_numpy_default_rng():
     rng = np.random.default_rng(0)
     edges = np.array([0, 1, 2, 2**32 - 1, 2**32, 2**32 + 1, 2**63 - 1, 2**63, 2**64 - 1], np.uint64)
-    seeds = np.concatenate([edges, rng.integers(0, 2**63, 1000, dtype=np.uint64),
+    near_2_63 = np.uint64(2**63) - np.arange(1, 20, dtype=np.uint64) * np.uint64(7919)
+    seeds = np.concatenate([edges, near_2_63, rng.integers(0, 2**63, 1000, dtype=np.uint64),
                             rng.integers(0, 2**32, 1000, dtype=np.uint64)])
     ours = uniforms(seeds, 2)
     ref = np.array([np.random.default_rng(int(s)).random(2) for s in seeds])
@@ -33,11 +34,17 @@ def test_uniforms_equal_numpy_default_rng():
 @pytest.mark.parametrize("frame_interval", [1, 3])
 def test_assign_many_equals_assign(stage, frame_interval):
     buckets = Buckets(_stage_buckets(stage))
-    rng = np.random.default_rng(hash((stage, frame_interval)) % 2**32)
-    n = 600
-    t = np.where(rng.random(n) < 0.2, 1, rng.integers(2, 260, n))  # images and videos
-    side = rng.integers(100, 3841, (n, 2))
+    rng = np.random.default_rng([int(stage[-1]), frame_interval])  # deterministic (str hash is not)
+    n = 800
+    frames = sorted({f for fr in buckets.probs.values() for f in fr})
+    edges = np.array([f * frame_interval + d for f in frames for d in (0, 1)])  # T at the strict-rule edge
+    t = np.where(rng.random(n) < 0.2, 1, rng.integers(2, 420 * frame_interval, n))  # images and videos
+    t = np.where(rng.random(n) < 0.2, rng.choice(edges, n), t)
+    side = rng.integers(100, 3841, (n, 2))  # both orientations
     h, w = side[:, 0], np.where(rng.random(n) < 0.5, side[:, 1], (side[:, 0] * 16) // 9)
+    exact = np.array([hw for res in buckets.res_order for hw in buckets.tables[res][1].values()])
+    pick = rng.random(n) < 0.15  # a bucket's own size: exact ratios, pixel counts at the edges
+    h[pick], w[pick] = exact[rng.integers(0, len(exact), pick.sum())].T
     rows = rng.choice([0, 1, 7, 4_500_000, 9_000_000], n) + np.arange(n)  # row seeds beyond 2**32 too
     for epoch in (0, 5):
         seeds = buckets.row_seeds(42, epoch, rows)
