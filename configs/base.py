@@ -34,7 +34,10 @@ def get_config():
     c.model = mlc.ConfigDict(dict(
         name="STDiT3-XL/2",
         compute_dtype="bfloat16",       # Open-Sora 1.2 trains in bf16; parameters stay fp32 (masters)
-        remat=True,                     # grad_checkpoint=True in every 1.2 config
+        remat="full",                   # grad_checkpoint=True in every 1.2 config; none | full | dots_saveable |
+                                        # dots_with_no_batch_dims | offload (see STDiT3Config)
+        remat_blocks=-1,                # block pairs rematerialized, from the first (-1: all)
+        scan_blocks=False,              # one lax.scan over the block pairs: 1 pair compiled instead of 28
         attention_impl="auto",          # cuDNN flash attention on GPU in bf16, XLA otherwise
         freeze_y_embedder=True,         # every 1.2 stage config
         class_dropout_prob=0.1,
@@ -75,6 +78,9 @@ def get_config():
         max_steps=100_000, ckpt_every=200, keep_ckpts=3, log_every=10,
         max_nonfinite_steps=5, watchdog_factor=10.0, watchdog_min_seconds=300.0,
         async_checkpoint=True, compilation_cache=True,
+        check_memory=True,              # compile every bucket before step 0; refuse buckets that do not fit
+        device_memory_gib=0.0,          # > 0: plan for this much per device (e.g. 80 for an H100 from a CPU dry run)
+        compile_threads=0,              # parallel bucket compiles (0: min(8, CPUs))
     ))
     c.wandb = mlc.ConfigDict(dict(enabled=False, project="jaxsora", mode="online", name=""))
     c.sample = mlc.ConfigDict(dict(num_frames=51, height=240, width=426, fps=24))

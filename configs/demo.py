@@ -9,7 +9,7 @@ from configs import base
 
 def get_config():
     c = base.get_config()
-    c.model.update(dict(name="demo", compute_dtype="float32", remat=False, freeze_y_embedder=False))
+    c.model.update(dict(name="demo", compute_dtype="float32", remat="none", freeze_y_embedder=False))
     c.vae = dict(kind="identity", downsample=(1, 2, 2))
     c.text_encoder = dict(kind="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=128, model_max_length=48, seed=0)
     c.data.table = "outputs/demo/data/meta.csv"

@@ -50,6 +50,14 @@ def validate_config(config, opts=None) -> None:
         v = config.mesh.get(axis, 1)
         if not isinstance(v, int) or (v < 1 and v != -1):
             raise ConfigError(f"mesh.{axis} must be a positive int or -1, got {v!r}")
+    import jax
+
+    from jaxsora.parallel.mesh import MeshError, mesh_shape
+
+    try:
+        mesh_shape(config.mesh, jax.device_count())
+    except MeshError as e:
+        raise ConfigError(str(e)) from e
 
     from jaxsora.train.optim import lr_schedule
 
@@ -76,6 +84,12 @@ def validate_config(config, opts=None) -> None:
 
     if config.model.get("name") not in available():
         raise ConfigError(f"model.name {config.model.get('name')!r} is not a preset; available: {available()}")
+    from jaxsora.train.build import build_model_config
+
+    try:  # every model field (remat policy, remat_blocks, ...); the encoders fix the channel counts later
+        build_model_config(config.model, in_channels=4, caption_channels=64, model_max_length=8)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from e
 
     try:
         from jaxsora.data import buckets

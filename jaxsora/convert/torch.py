@@ -42,6 +42,14 @@ def torch_key(path: tuple) -> str:
     return ".".join(parts)
 
 
+def torch_shape(path: tuple, shape: tuple) -> tuple:
+    """The PyTorch shape of an NNX leaf of `shape` (kernels are transposed, see the table above)."""
+    shape = tuple(shape)
+    if path[-1] != "kernel":
+        return shape
+    return shape[::-1] if len(shape) == 2 else (shape[4], shape[3], *shape[:3])
+
+
 def to_torch_layout(path: tuple, value: np.ndarray) -> np.ndarray:
     if path[-1] != "kernel":
         return value
@@ -76,10 +84,7 @@ def torch_shapes(config_or_model) -> list[tuple[str, tuple]]:
     config = model.config
     out = {}
     for path, var in _flat_variables(model):
-        shape = tuple(var.shape if hasattr(var, "shape") else var[...].shape)
-        if path[-1] == "kernel":
-            shape = shape[::-1] if len(shape) == 2 else (shape[4], shape[3], *shape[:3])
-        out[torch_key(path)] = shape
+        out[torch_key(path)] = torch_shape(path, var.shape if hasattr(var, "shape") else var[...].shape)
     return sorted(out.items(), key=lambda kv: _registration_rank(kv[0], config.depth))
 
 

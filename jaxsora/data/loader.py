@@ -14,15 +14,16 @@ by another row of the same bucket, chosen deterministically from (seed, epoch, b
 the batch stays full, the run goes on, and a resume sees the same replacement.
 
 Host batch: video [b, 3, T, H, W] uint8 (→ [-1, 1] by `video.to_model_range`, in the train step);
-text [b] str; fps/height/width [b] float32; num_frames [b] int32; row [b] int64 (table rows);
-epoch, index (batches of the epoch done after this one), bucket (res, T, H, W).
+text [b] str; with `text_inputs`, also ids and text_mask (see `VideoLoader`); fps/height/width [b]
+float32; num_frames [b] int32; row [b] int64 (table rows); epoch, index (batches of the epoch done
+after this one), bucket (res, T, H, W).
 """
 from __future__ import annotations
 
 import collections
 import sys
 import threading
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -43,8 +44,9 @@ class _PlanSource:
 
     def __init__(self, table: TableIndex, bucket_config: dict, extra_resolutions, *, seed: int, dp: int,
                  frame_interval: int, process_index: int, process_count: int, epoch: int, index: int,
-                 planner: Optional[plan_lib.Planner] = None):
+                 planner: Optional[plan_lib.Planner] = None, text_inputs: Optional[Callable] = None):
         self.table, self.bucket_config, self.extra_resolutions = table, bucket_config, extra_resolutions
+        self.text_inputs = text_inputs
         self.seed, self.dp, self.frame_interval = seed, dp, frame_interval
         self.process_index, self.process_count = process_index, process_count
         self.start = (epoch, index)
@@ -122,9 +124,11 @@ class _PlanSource:
         slots = range(self.process_index * share, (self.process_index + 1) * share)
         results = [self._decode_slot(epoch, index, s, pb) for s in slots]
         rows = np.array([r[0] for r in results], np.int64)
+        texts = [self.table.text(r) for r in rows]
         t, h, w = pb.size
+        text_inputs = self.text_inputs(texts, rows) if self.text_inputs is not None else {}
         return dict(
-            video=np.stack([r[1] for r in results]), text=np.array([self.table.text(r) for r in rows], object),
+            text_inputs, video=np.stack([r[1] for r in results]), text=np.array(texts, object),
             fps=np.array([r[2] for r in results], np.float32), height=np.full(len(rows), h, np.float32),
             width=np.full(len(rows), w, np.float32), num_frames=np.full(len(rows), t, np.int32), row=rows,
             skipped=np.int64(sum(r[3] for r in results)), epoch=epoch, index=index + 1, epoch_batches=n,
@@ -140,12 +144,15 @@ class VideoLoader:
     prefetch: batches buffered ahead per worker (and in this process).
     index_dir: where the memory-mapped table index goes (default: a temporary folder); an index of
     the same table files found there is reused.
+    text_inputs: captions → the step's text inputs (token ids or cached text states), called where
+    the batch is decoded (`train.build.TextInputs`; picklable), so the training thread does no
+    tokenization or cache reads.
     """
 
     def __init__(self, table: str, bucket_config: Mapping, *, seed: int, data_parallel_size: int,
                  process_index: int = 0, process_count: int = 1, num_workers: int = 0, decode_threads: int = 1,
                  frame_interval: int = 1, extra_resolutions: Optional[Mapping] = None, prefetch: int = 2,
-                 index_dir: Optional[str] = None, progress: bool = True):
+                 index_dir: Optional[str] = None, progress: bool = True, text_inputs: Optional[Callable] = None):
         if index_dir and int(process_count) > 1:  # one index per host, even on a shared filesystem
             index_dir = f"{index_dir.rstrip('/')}/host{int(process_index)}"
         self.table = TableIndex.build(table, index_dir, progress=progress)
@@ -165,6 +172,7 @@ class VideoLoader:
         self.epoch = 0
         self.index = 0  # batches completed in the epoch (after the last one yielded)
         self.num_skipped = 0
+        self.text_inputs = text_inputs
         self._planner = plan_lib.Planner((self.table.num_frames, self.table.height, self.table.width),
                                          self.buckets, seed=self.seed, dp=self.dp, frame_interval=self.frame_interval)
 
@@ -212,7 +220,7 @@ class VideoLoader:
         source = _PlanSource(self.table, self.bucket_config, self.extra_resolutions, seed=self.seed, dp=self.dp,
                              frame_interval=self.frame_interval, process_index=self.process_index,
                              process_count=self.process_count, epoch=self.epoch, index=self.index,
-                             planner=self._planner)
+                             planner=self._planner, text_inputs=self.text_inputs)
         ds = grain.MapDataset.source(source).to_iter_dataset(
             grain.ReadOptions(num_threads=self.decode_threads, prefetch_buffer_size=self.prefetch))
         if self.num_workers > 0:

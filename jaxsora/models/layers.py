@@ -310,9 +310,10 @@ class Attention(nnx.Module):
         self.attn_impl = attn_impl
         self.sequence_axis = sequence_axis
 
-    def __call__(self, x: jax.Array, rope_freqs: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, rope_freqs: Optional[jax.Array] = None, kv_len: Optional[int] = None) -> jax.Array:
         """x: [R, N, C] (R independent rows, N the attended sequence) → [R, N, C].
-        rope_freqs: [Dh/2], required when the layer uses RoPE (temporal blocks)."""
+        rope_freqs: [Dh/2], required when the layer uses RoPE (temporal blocks); kv_len: only the
+        first kv_len keys are attended (the rest is sequence-parallel padding)."""
         r, n, c = x.shape
         qkv = self.qkv(x).reshape(r, n, 3, self.num_heads, self.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [R, N, H, Dh]
@@ -321,7 +322,10 @@ class Attention(nnx.Module):
         if self.use_rope:  # rotation over the sequence axis (−2 after the swap)
             q = jnp.swapaxes(rope_interleaved(jnp.swapaxes(q, 1, 2), rope_freqs), 1, 2)
             k = jnp.swapaxes(rope_interleaved(jnp.swapaxes(k, 1, 2), rope_freqs), 1, 2)
-        attn_fn = lambda q_, k_, v_: attention(q_, k_, v_, impl=self.attn_impl)  # noqa: E731
+        def attn_fn(q_, k_, v_):
+            lens = None if kv_len is None else jnp.full((q_.shape[0],), kv_len, jnp.int32)
+            return attention(q_, k_, v_, impl=self.attn_impl, kv_lengths=lens)
+
         if self.sequence_axis is not None:
             from jaxsora.parallel.sequence import ulysses_attention
 

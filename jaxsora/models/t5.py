@@ -37,7 +37,6 @@ import dataclasses
 import json
 import math
 import os
-import struct
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -45,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsora.io.weights import open_state_dict
 from jaxsora.parallel import constraints
 
 # Open-Sora 1.2 (configs/opensora-v1-2/train/*.py, text_encoder): model_max_length=300.
@@ -318,53 +318,6 @@ def hf_key_map(cfg: T5Config) -> dict[tuple, tuple[str, bool]]:
     return out
 
 
-_ST_DTYPES = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "F64": np.float64,
-    "I64": np.int64,
-    "I32": np.int32,
-}
-
-
-def _st_dtype(code: str, path: str, key: str):
-    if code == "BF16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if code not in _ST_DTYPES:
-        raise ValueError(f"{path}: tensor {key!r} has unsupported safetensors dtype {code}")
-    return np.dtype(_ST_DTYPES[code])
-
-
-class SafetensorsFile:
-    """Lazy, memory-mapped safetensors reader returning numpy (bfloat16 via ml_dtypes, which
-    `safetensors.numpy` cannot load)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        self.header = header
-        self.offset = 8 + n
-
-    def keys(self):
-        return self.header.keys()
-
-    def __iter__(self):
-        return iter(self.header)
-
-    def get(self, key: str) -> np.ndarray:
-        info = self.header[key]
-        dt = _st_dtype(info["dtype"], self.path, key)
-        start, end = info["data_offsets"]
-        count = (end - start) // dt.itemsize
-        arr = np.memmap(self.path, dtype=dt, mode="r", offset=self.offset + start, shape=(count,))
-        return arr.reshape(info["shape"])
-
-
 class CheckpointReader:
     """Key → numpy for a HF folder: `model.safetensors`, a sharded `model.safetensors.index.json`,
     or (with torch installed) `pytorch_model.bin` / its index."""
@@ -403,16 +356,7 @@ class CheckpointReader:
 
     def _file(self, name: str):
         if name not in self._open:
-            path = os.path.join(self.folder, name)
-            if name.endswith(".safetensors"):
-                self._open[name] = SafetensorsFile(path)
-            else:
-                try:
-                    import torch
-                except ImportError as e:  # pragma: no cover - torch is optional
-                    raise ImportError(f"{path}: reading .bin checkpoints needs torch; convert to safetensors") from e
-                sd = torch.load(path, map_location="cpu", weights_only=True)
-                self._open[name] = _TorchDict(sd)
+            self._open[name] = open_state_dict(os.path.join(self.folder, name))
         return self._open[name]
 
     def __contains__(self, key: str) -> bool:
@@ -421,27 +365,7 @@ class CheckpointReader:
     def get(self, key: str) -> np.ndarray:
         if key not in self.index:
             raise KeyError(f"{self.folder}: checkpoint has no tensor {key!r}")
-        return self._file(self.index[key]).get(key)
-
-
-class _TorchDict:
-    def __init__(self, sd):
-        self.sd = sd
-
-    def keys(self):
-        return self.sd.keys()
-
-    def __iter__(self):
-        return iter(self.sd)
-
-    def get(self, key):
-        t = self.sd[key]
-        if str(t.dtype) == "torch.bfloat16":
-            import ml_dtypes
-            import torch
-
-            return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+        return self._file(self.index[key])[key][...]
 
 
 def read_hf_config(folder: str) -> T5Config:

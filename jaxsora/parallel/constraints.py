@@ -1,8 +1,9 @@
-"""Logical activation-sharding constraints, resolved through the active rules table.
+"""Logical axis names → mesh shardings: the one mapping used for parameters and activations.
 
 The model annotates activations with logical names (`constrain(x, ("batch", "seq", "embed"))`).
 Outside `with logical_rules(rules):` (or without a mesh set by `jax.set_mesh`) this is a no-op,
-so the model runs unchanged on one device. `jaxsora.parallel.mesh` owns the rules tables.
+so the model runs unchanged on one device. `jaxsora.parallel.mesh` owns the rules tables;
+`jaxsora.parallel.sharding` applies the same mapping to parameters and the train state.
 """
 from __future__ import annotations
 
@@ -26,10 +27,6 @@ def logical_rules(rules: Rules) -> Iterator[None]:
         _RULES.reset(token)
 
 
-def current_rules() -> Optional[Rules]:
-    return _RULES.get()
-
-
 def logical_to_spec(names: Sequence[Optional[str]], rules: Rules) -> PartitionSpec:
     """Map logical axis names to a PartitionSpec; a mesh axis is used at most once."""
     table = dict(rules)
@@ -47,6 +44,21 @@ def logical_to_spec(names: Sequence[Optional[str]], rules: Rules) -> PartitionSp
     return PartitionSpec(*out)
 
 
+def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
+    """`spec` with every dim whose size does not divide its mesh axes left replicated (odd bucket
+    shapes, a 4-wide bias on an 8-way fsdp axis). `mesh` is a Mesh or an AbstractMesh."""
+    fixed = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if axes is None:
+            fixed.append(None)
+            continue
+        size = 1
+        for a in ((axes,) if isinstance(axes, str) else axes):
+            size *= mesh.shape[a]
+        fixed.append(axes if dim % size == 0 else None)
+    return PartitionSpec(*fixed)
+
+
 def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     rules = _RULES.get()
     if rules is None:
@@ -54,16 +66,4 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return x
-    spec = logical_to_spec(names, rules)
-    # Leave a dim unsharded where its size does not divide the mesh axes (odd bucket shapes).
-    fixed = []
-    for dim, axes in zip(x.shape, spec):
-        if axes is None:
-            fixed.append(None)
-            continue
-        axes_t = (axes,) if isinstance(axes, str) else axes
-        size = 1
-        for a in axes_t:
-            size *= mesh.shape[a]
-        fixed.append(axes if dim % size == 0 else None)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*fixed))
+    return jax.lax.with_sharding_constraint(x, fit_spec(logical_to_spec(names, rules), x.shape, mesh))

@@ -12,20 +12,28 @@ from typing import Callable, Optional
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxsora.parallel.mesh import BATCH_AXES
+
 
 def ulysses_attention(q, k, v, *, mesh: Optional[jax.sharding.Mesh], axis_name: str,
-                      attn_fn: Callable, batch_axes=("data", "fsdp")):
+                      attn_fn: Callable, batch_axes=BATCH_AXES):
     """q/k/v: [R, S, H, Dh] with S sharded over `axis_name` (R over the batch axes).
 
-    mesh None → the mesh set by `jax.set_mesh`. Heads must divide the axis size; otherwise (and
-    with an axis of size 1) attention runs as is and XLA gathers what it needs.
+    mesh None → the mesh set by `jax.set_mesh`. Without a mesh, or without that axis (one-device
+    inference of a model trained with sequence parallelism), attention runs as is. With the axis,
+    the heads and S must divide its size (the model pads S; `parallel.mesh.check_sequence_parallel`
+    checks the heads before a run starts) — anything else is an error, never a quiet fallback to
+    replicated attention.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or axis_name not in mesh.axis_names:
+    if mesh is None or mesh.empty or axis_name not in mesh.axis_names or mesh.shape[axis_name] == 1:
         return attn_fn(q, k, v)
     sp = mesh.shape[axis_name]
-    if sp == 1 or q.shape[2] % sp or q.shape[1] % sp:
-        return attn_fn(q, k, v)
+    if q.shape[2] % sp:
+        raise ValueError(f"Ulysses attention: {q.shape[2]} heads do not divide the '{axis_name}' axis ({sp})")
+    if q.shape[1] % sp:
+        raise ValueError(f"Ulysses attention: {q.shape[1]} tokens do not divide the '{axis_name}' axis ({sp}); "
+                         "pad them to a multiple first")
     rows = tuple(a for a in batch_axes if a in mesh.axis_names and mesh.shape[a] > 1)
     rows_size = 1
     for a in rows:

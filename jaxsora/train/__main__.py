@@ -3,7 +3,8 @@
 Flags (the reference's names): --data-path X.csv, --load DIR (resume everything),
 --ckpt-path PATH (weights only: a jaxsora checkpoint or an Open-Sora/PixArt-Σ .pth/.safetensors),
 --start-from-scratch (with --load: keep optimizer and schedule, restart the data order),
---outputs DIR, --dry-run (validate config, table and bucket plan; print the plan; train nothing).
+--outputs DIR, --dry-run (validate config, table and bucket plan; compile the step per bucket and print
+the plan and per-device memory; train nothing), --profile START:STOP (a jax.profiler trace).
 Multi-host: see BUILD.md (jax.distributed from SLURM / JAX_* variables / --coordinator flags).
 """
 import os
@@ -36,7 +37,8 @@ def main():
     flags.DEFINE_string("ckpt_path", None, "initial weights only (jaxsora checkpoint or PyTorch file)")
     flags.DEFINE_bool("start_from_scratch", False, "with --load: restart the data order, keep the optimizer")
     flags.DEFINE_string("outputs", None, "outputs folder; overrides train.outputs")
-    flags.DEFINE_bool("dry_run", False, "validate and print the plan without training")
+    flags.DEFINE_bool("dry_run", False, "validate, compile every bucket and print the plan and memory; no training")
+    flags.DEFINE_string("profile", None, "START:STOP — write a jax.profiler trace of those steps to <run>/profile")
     flags.DEFINE_string("coordinator", None, "multi-host: coordinator address host:port")
     flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
     flags.DEFINE_integer("process_id", None, "multi-host: this process's id")
@@ -57,14 +59,20 @@ def main():
 
         initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
         from jaxsora.config import ConfigError
+        from jaxsora.parallel.mesh import MeshError
         from jaxsora.train.loop import RunOptions, train
+        from jaxsora.train.memory import MemoryPlanError
 
         opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, ckpt_path=FLAGS.ckpt_path,
-                          start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, dry_run=FLAGS.dry_run)
+                          start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, dry_run=FLAGS.dry_run,
+                          profile=FLAGS.profile)
         try:
             summary = train(FLAGS.config, opts)
-        except ConfigError as e:
+        except (ConfigError, MeshError) as e:
             print(f"config error: {e}", file=sys.stderr)
+            return 2
+        except MemoryPlanError as e:
+            print(f"memory: {e}", file=sys.stderr)
             return 2
         if not opts.dry_run:
             print(f"[jaxsora] done: {summary['steps']} steps, checkpoints in {summary['checkpoints']}")

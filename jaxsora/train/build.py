@@ -1,11 +1,21 @@
-"""Config groups → components: the model config, the text encoder and the VAE.
+"""Config groups → components: the model config, the text encoder, the VAE, and the frozen
+encoders as the jitted train step sees them (`Encoders`).
 
-Shared by `python -m jaxsora.train` and `python -m jaxsora.sample` (the sampler rebuilds the
-encoders from the config stored in a checkpoint).
+Shared by `python -m jaxsora.train`, its dry run, `jaxsora.tools.search_bs` and
+`python -m jaxsora.sample` (the sampler rebuilds the encoders from the config stored in a
+checkpoint). With `abstract=True` the encoders are shapes only (no weights are read): the dry run
+and the batch-size search compile the real step without the multi-GB VAE and T5 files.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3Config
@@ -25,29 +35,33 @@ _TEXT_KEYS = {"t5": {"kind", "path", "model_max_length", "dtype", "tokenizer", "
 _VAE_KEYS = {"identity": {"downsample", "scale"}, "opensora": {"path", "dtype"}}
 
 
+def _own_keys(cfg, table) -> dict:
+    cfg = _plain(cfg)
+    keys = table.get(cfg.get("kind"))
+    return {k: v for k, v in cfg.items() if k in keys or k == "kind"} if keys is not None else cfg
+
+
 def build_text_encoder_from_config(cfg: Mapping[str, Any], *, mesh=None, rules=None):
     from jaxsora.models.t5 import build_text_encoder
 
-    cfg = _plain(cfg)
-    keys = _TEXT_KEYS.get(cfg.get("kind"))
-    if keys is not None:
-        cfg = {k: v for k, v in cfg.items() if k in keys}
-    return build_text_encoder(cfg, mesh=mesh, rules=rules)
+    return build_text_encoder(_own_keys(cfg, _TEXT_KEYS), mesh=mesh, rules=rules)
 
 
-def build_vae_from_config(cfg: Mapping[str, Any]):
+def build_vae_from_config(cfg: Mapping[str, Any], *, abstract: bool = False):
     """`{"kind": "identity", "downsample": [1, f, f]}` (pixel space, the CPU demo) or
-    `{"kind": "opensora", "path": file_or_folder, "dtype": "bfloat16"}` (OpenSora VAE v1.2)."""
+    `{"kind": "opensora", "path": file_or_folder, "dtype": "bfloat16"}` (OpenSora VAE v1.2).
+    `abstract=True`: the OpenSora VAE's architecture with shapes only (no file is read)."""
     from jaxsora.models import vae as vae_lib
 
-    cfg = _plain(cfg)
+    cfg = _own_keys(cfg, _VAE_KEYS)
     kind = cfg.pop("kind", None)
-    if kind in _VAE_KEYS:
-        cfg = {k: v for k, v in cfg.items() if k in _VAE_KEYS[kind]}
     if kind == "identity":
         return vae_lib.IdentityVAE(**cfg)
     if kind == "opensora":
         path = cfg.pop("path", None)
+        if abstract:
+            vcfg = vae_lib.get_vae_config("OpenSoraVAE_V1_2", dtype=str(cfg.get("dtype", "float32")))
+            return vae_lib.abstract_model(lambda: vae_lib.OpenSoraVAE(vcfg, rngs=nnx.Rngs(0)))
         if not path:
             raise ValueError("vae kind 'opensora' needs 'path' (the OpenSora-VAE-v1.2 weights)")
         return vae_lib.load_opensora_vae(path, **cfg)
@@ -64,22 +78,117 @@ def build_model_config(cfg: Mapping[str, Any], *, in_channels: int, caption_chan
     return get_model_config(name, **cfg)
 
 
-def encoder_dims(config) -> tuple[int, int, int]:
-    """(latent channels, caption channels, max text length) from the config alone, without loading
-    weights (for --dry-run): Open-Sora VAE → 4, identity → 3; a T5 folder's config.json d_model,
-    else T5-v1.1-XXL's 4096; a tiny encoder's d_model."""
-    import json
-    import os
+# --------------------------------------------------------------------------------------------
+# the encoders of a train step
+# --------------------------------------------------------------------------------------------
+class TextInputs:
+    """Captions → the step's text inputs, on the host — inside the loader's workers, so neither
+    tokenization nor cache reads run on the training thread. Picklable.
 
-    vae_kind = config.vae.get("kind")
-    in_ch = 4 if vae_kind == "opensora" else 3
-    te = config.text_encoder
-    max_len = int(te.get("model_max_length", 300))
-    if te.get("kind") == "tiny":
-        return in_ch, int(te.get("d_model", 32)), max_len
-    cap = 4096  # T5-v1.1-XXL d_model (Open-Sora 1.2 caption_channels)
-    cfg_file = os.path.join(str(te.get("path", "")), "config.json")
-    if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            cap = int(json.load(f).get("d_model", cap))
-    return in_ch, cap, max_len
+    With a tokenizer: ids [b, L] int32 (the step runs T5); with a text-state cache: the cached
+    states themselves as `ids` [b, L, D] float32 (each row's caption hash is checked)."""
+
+    def __init__(self, tokenizer=None, cache=None):
+        if (tokenizer is None) == (cache is None):
+            raise ValueError("TextInputs needs exactly one of a tokenizer or a text-state cache")
+        self.tokenizer, self.cache = tokenizer, cache
+
+    def __call__(self, texts: Sequence[str], rows: Sequence[int]) -> dict:
+        texts = [str(t) for t in texts]
+        if self.cache is not None:
+            y, mask = self.cache.lookup(np.asarray(rows), texts)
+            return dict(ids=np.asarray(y, np.float32)[:, 0], text_mask=np.asarray(mask, np.int32))
+        ids, mask = self.tokenizer(texts)
+        return dict(ids=np.asarray(ids, np.int32), text_mask=np.asarray(mask, np.int32))
+
+
+@dataclasses.dataclass
+class Encoders:
+    """The frozen VAE and text encoder as jit arguments plus the functions the step calls.
+
+    weights: pytree of arrays (placed on the mesh once) or of ShapeDtypeStructs (abstract);
+    encode_video(weights, video [B, 3, T, H, W] in [-1, 1], key) → latents [B, C, t, h, w];
+    encode_text(weights, ids, mask) → text states [B, L, D] float32;
+    text_inputs: host-side captions → step inputs (None when abstract).
+    """
+
+    weights: Any
+    encode_video: Callable
+    encode_text: Callable
+    latent_size: Callable[[Sequence[int]], tuple]
+    in_channels: int
+    caption_channels: int
+    model_max_length: int
+    text_from_cache: bool
+    text_inputs: Optional[TextInputs]
+
+    def text_spec(self, batch: int) -> dict:
+        """Shapes/dtypes of the step's `ids`/`text_mask` for `batch` rows."""
+        L = self.model_max_length
+        ids = ((batch, L, self.caption_channels), jnp.float32) if self.text_from_cache else ((batch, L), jnp.int32)
+        return dict(ids=ids, text_mask=((batch, L), jnp.int32))
+
+
+def _t5_abstract(cfg: dict):
+    """T5's architecture from the folder's config.json (T5-v1.1-XXL when absent), shapes only."""
+    from jaxsora.models import t5 as t5_lib
+
+    if cfg.get("kind") == "tiny":
+        tcfg = t5_lib.tiny_t5_config(cfg.get("d_model", 32), cfg.get("num_layers", 2), cfg.get("num_heads", 2),
+                                     cfg.get("d_ff", 64), cfg.get("d_kv"))
+        dtype, param_dtype = jnp.dtype(cfg.get("dtype", "float32")), jnp.float32
+    else:
+        path = os.path.join(str(cfg.get("path", "")), "config.json")
+        tcfg = t5_lib.read_hf_config(os.path.dirname(path)) if os.path.isfile(path) else t5_lib.T5Config()
+        dtype, param_dtype = jnp.dtype(cfg.get("dtype", "bfloat16")), jnp.dtype(cfg.get("param_dtype", "float32"))
+    model = nnx.eval_shape(lambda: t5_lib.T5EncoderModel(tcfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                         param_dtype=param_dtype))
+    return model, tcfg.d_model, int(cfg.get("model_max_length", t5_lib.OPENSORA_MODEL_MAX_LENGTH))
+
+
+def build_encoders(config, mesh: jax.sharding.Mesh, rules, *, abstract: bool = False) -> Encoders:
+    """The run's frozen encoders. T5 is read straight into its FSDP shards; the other weights are
+    placed (replicated) on the mesh once, so no step re-sends them. With `data.text_cache` the
+    cached states replace T5. `abstract=True`: shapes only (dry run, batch-size search)."""
+    from jaxsora.parallel.sharding import abstract_with_shardings, tree_shardings
+
+    weights = {}
+    vae = build_vae_from_config(config.vae, abstract=abstract)
+    if isinstance(vae, nnx.Module):
+        vae_graphdef, weights["vae"] = nnx.split(vae)
+
+        def encode_video(enc, video, key):
+            return nnx.merge(vae_graphdef, enc["vae"]).encode(video, key)
+    else:  # parameter-free (IdentityVAE)
+        def encode_video(enc, video, key):
+            return vae.encode(video, key)
+
+    cache = None
+    te_graphdef = None
+    text_cfg = _plain(config.text_encoder)
+    if config.data.get("text_cache"):
+        from jaxsora.data.cache import TextStateCache
+
+        cache = TextStateCache(config.data.text_cache)
+        cap, max_len, text_inputs = cache.caption_channels, cache.model_max_length, TextInputs(cache=cache)
+    elif abstract:
+        t5_abstract, cap, max_len = _t5_abstract(text_cfg)
+        te_graphdef, weights["t5"] = nnx.split(t5_abstract)
+        text_inputs = None
+    else:
+        te = build_text_encoder_from_config(config.text_encoder, mesh=mesh, rules=rules)
+        te_graphdef, weights["t5"] = te.graphdef, te.state
+        cap, max_len, text_inputs = te.caption_channels, te.model_max_length, TextInputs(tokenizer=te.tokenizer)
+
+    def encode_text(enc, ids, mask):
+        if te_graphdef is None:
+            return ids.astype(jnp.float32)  # cached states [B, L, D]
+        return nnx.merge(te_graphdef, enc["t5"])(ids, mask).astype(jnp.float32)
+
+    shardings = tree_shardings(weights, mesh, rules)
+    if abstract:
+        weights = abstract_with_shardings(weights, shardings)
+    else:
+        weights = jax.device_put(weights, shardings)
+    return Encoders(weights, encode_video, encode_text, vae.get_latent_size, int(vae.out_channels), int(cap),
+                    int(max_len), cache is not None, text_inputs)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-import jax
 import orbax.checkpoint as ocp
 
 ITEMS = ("state", "config", "data", "meta")
@@ -56,18 +55,11 @@ class Checkpointer:
         self.manager.close()
 
 
-def _abstract(tree, shardings):
-    """ShapeDtypeStructs carrying the target shardings. `shardings` may be a prefix of `tree` (one
-    NamedSharding per nnx Variable); it is broadcast over each subtree first."""
-    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings, tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, full)
-
-
-def restore(directory: str, abstract_state, shardings, *, step: Optional[int] = None,
-            items: tuple = ITEMS) -> dict[str, Any]:
+def restore(directory: str, target, *, step: Optional[int] = None, items: tuple = ITEMS) -> dict[str, Any]:
     """Restore `items` of a checkpoint folder (a `checkpoints/` root or a run's outputs folder).
 
-    abstract_state / shardings: the TrainState tree (shapes) and its target shardings.
+    target: the TrainState as ShapeDtypeStructs carrying the target shardings (`StatePlan.
+    abstract_sharded`): each array is read straight into its shards, on whatever mesh this run has.
     Returns {"step": int, "state": TrainState, "config": dict, "data": dict, "meta": dict}.
     """
     directory = os.path.abspath(directory)
@@ -82,7 +74,7 @@ def restore(directory: str, abstract_state, shardings, *, step: Optional[int] = 
         raise FileNotFoundError(f"{directory} holds no checkpoint (no <step>/ folder)")
     args = {}
     if "state" in items:
-        args["state"] = ocp.args.StandardRestore(_abstract(abstract_state, shardings))
+        args["state"] = ocp.args.StandardRestore(target)
     for name in ("config", "data", "meta"):
         if name in items:
             args[name] = ocp.args.JsonRestore()

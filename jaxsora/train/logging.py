@@ -1,9 +1,10 @@
 """Console progress line and optional wandb logging (only process 0 logs).
 
-Every `train.log_every` steps: loss (mean since the last line), lr, grad norm, weight norm,
-samples/s, tokens/s, step time, data-wait time, skipped samples, non-finite steps. wandb is an
-optional extra (`pip install 'jaxsora[wandb]'`); `wandb.mode = "offline"` works without a network,
-and the run id is stored in each checkpoint so that `--load` logs into the same run.
+Once per log interval (`train.log_every` steps, fetched from the device in one transfer): loss
+(mean over the interval's applied steps), lr, grad norm, weight norm, samples/s, tokens/s, step
+time, data-wait time, skipped samples, non-finite steps. wandb is an optional extra
+(`pip install 'jaxsora[wandb]'`); `wandb.mode = "offline"` works without a network, and the run id
+is stored in each checkpoint so that `--load` logs into the same run.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -19,9 +20,7 @@ import numpy as np
 class MetricLogger:
     def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True):
         self.enabled = enabled
-        self.every = int(config.train.get("log_every", 10))
         self.outdir = outdir
-        self.buffer: list[dict] = []
         self.run = None
         self.run_id = resume_id
         self._t0 = time.time()
@@ -40,31 +39,37 @@ class MetricLogger:
             )
             self.run_id = self.run.id
 
-    def log(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        row = {k: (float(v) if isinstance(v, (int, float, np.floating, np.integer, np.ndarray)) else v)
-               for k, v in metrics.items()}
-        row["step"] = step
-        self.buffer.append(row)
-        if step % self.every and step != 1:
-            return
-        rows, self.buffer = self.buffer, []
-        mean = lambda k: float(np.mean([r[k] for r in rows if isinstance(r.get(k), float)]))  # noqa: E731
-        line = (f"step {step:>6} | loss {mean('loss'):.4f} | lr {row['lr']:.2e} | grad {mean('grad_norm'):.3f} "
-                f"| weight {row['weight_norm']:.2f} | {mean('samples_per_s'):.2f} samples/s "
-                f"{mean('tokens_per_s'):.0f} tok/s | step {mean('step_time'):.3f}s data {mean('data_time'):.3f}s "
-                f"| skipped {int(row.get('skipped', 0))} nonfinite {int(row.get('nonfinite_total', 0))} "
-                f"| epoch {int(row.get('epoch', 0))} {row.get('bucket', '')}")
-        print(line, flush=True)
-        summary = {k: mean(k) for k in ("loss", "grad_norm", "samples_per_s", "tokens_per_s", "step_time", "data_time")}
-        summary.update(step=step, lr=row["lr"], weight_norm=row["weight_norm"], skipped=row.get("skipped", 0),
-                       nonfinite_total=row.get("nonfinite_total", 0), epoch=row.get("epoch", 0),
-                       wall=time.time() - self._t0)
+    def log(self, rows: Sequence[dict], wall: float) -> Optional[dict]:
+        """rows: one dict per step of the interval (device metrics already fetched, plus the host's
+        data_time, samples, tokens, epoch, bucket, skipped, nonfinite_total); wall: the interval's
+        seconds. Prints one line, appends one metrics.jsonl line, logs to wandb."""
+        if not self.enabled or not rows:
+            return None
+        last = rows[-1]
+        good = [r for r in rows if not r["nonfinite"]] or rows
+
+        def mean(k, of=rows):
+            return float(np.mean([float(r[k]) for r in of]))
+
+        wall = max(wall, 1e-9)
+        summary = dict(
+            step=int(last["step"]), loss=mean("loss", good), grad_norm=mean("grad_norm", good), lr=float(last["lr"]),
+            weight_norm=float(last["weight_norm"]), samples_per_s=sum(r["samples"] for r in rows) / wall,
+            tokens_per_s=sum(r["tokens"] for r in rows) / wall, step_time=wall / len(rows),
+            data_time=mean("data_time"), skipped=int(last.get("skipped", 0)),
+            nonfinite_total=int(last.get("nonfinite_total", 0)), epoch=int(last.get("epoch", 0)),
+            wall=time.time() - self._t0)
+        print(f"step {summary['step']:>6} | loss {summary['loss']:.4f} | lr {summary['lr']:.2e} "
+              f"| grad {summary['grad_norm']:.3f} | weight {summary['weight_norm']:.2f} "
+              f"| {summary['samples_per_s']:.2f} samples/s {summary['tokens_per_s']:.0f} tok/s "
+              f"| step {summary['step_time']:.3f}s data {summary['data_time']:.3f}s "
+              f"| skipped {summary['skipped']} nonfinite {summary['nonfinite_total']} "
+              f"| epoch {summary['epoch']} {last.get('bucket', '')}", flush=True)
         self._jsonl.write(json.dumps(summary) + "\n")
         self._jsonl.flush()
         if self.run is not None:
-            self.run.log({k: v for k, v in summary.items() if k != "step"}, step=step)
+            self.run.log({k: v for k, v in summary.items() if k != "step"}, step=summary["step"])
+        return summary
 
     def close(self) -> None:
         if self._jsonl:

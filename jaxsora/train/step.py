@@ -1,4 +1,4 @@
-"""The train state and the jitted train step.
+"""The jitted train step.
 
 One step (Open-Sora 1.2 `scripts/train.py`, spec §6): encode the video with the frozen VAE and the
 captions with the frozen text encoder → draw the frame-conditioning masks → rectified-flow loss
@@ -11,46 +11,24 @@ cache keeps the executables across runs).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import dataclasses
+import threading
+import time
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from flax import nnx, struct
+from flax import nnx
 
-from jaxsora.diffusion import rflow
 from jaxsora.data.video import to_model_range
+from jaxsora.diffusion import rflow
 from jaxsora.diffusion.masks import MaskGenerator
-from jaxsora.models.stdit3 import STDiT3, trainable_filter
+from jaxsora.parallel.constraints import logical_rules
+from jaxsora.parallel.sharding import batch_sharding, host_to_global
 from jaxsora.train.optim import ema_update
-
-
-@struct.dataclass
-class TrainState:
-    step: jax.Array  # optimizer steps applied (int32)
-    params: Any  # nnx.State of the trainable Params
-    frozen: Any  # nnx.State of everything else in the model (frozen Params, Buffers)
-    opt_state: Any
-    ema: Any  # nnx.State, float32, same tree as params
-    rng: jax.Array  # raw key data (uint32), so orbax stores it as a plain array
-
-
-def split_model(model: STDiT3):
-    """(graphdef, trainable state, frozen state)."""
-    return nnx.split(model, trainable_filter(model.config), ...)
-
-
-def init_state(model: STDiT3, tx: optax.GradientTransformation, seed: int) -> tuple[Any, TrainState]:
-    graphdef, params, frozen = split_model(model)
-    state = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        frozen=frozen,
-        opt_state=tx.init(params),
-        ema=jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params),  # not an alias: both are donated
-        rng=jax.random.key_data(jax.random.key(seed)),
-    )
-    return graphdef, state
+from jaxsora.train.state import StatePlan, TrainState
 
 
 def weight_norm(params) -> jax.Array:
@@ -80,7 +58,8 @@ def make_train_step(
     mask_gen = MaskGenerator(dict(mask_ratios)) if mask_ratios else None
     sched = dict(scheduler_cfg or {})
 
-    def step(state: TrainState, batch: dict, encoders=None):
+    def loss_and_grads(state: TrainState, batch: dict, encoders=None):
+        """The step's loss and the gradients of the trainable params (no update)."""
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         k_vae, k_mask, k_loss, k_drop = jax.random.split(key, 4)
         video = batch["video"]
@@ -104,7 +83,10 @@ def make_train_step(
             )
             return jnp.mean(per_sample)
 
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return jax.value_and_grad(loss_fn)(state.params)
+
+    def step(state: TrainState, batch: dict, encoders=None):
+        loss, grads = loss_and_grads(state, batch, encoders)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -116,7 +98,135 @@ def make_train_step(
         new_state = state.replace(step=state.step + finite.astype(jnp.int32), params=params,
                                   opt_state=opt_state, ema=ema)
         metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=weight_norm(params),
-                       lr=lr_fn(state.step), nonfinite=(~finite).astype(jnp.int32))
+                       lr=lr_fn(state.step), nonfinite=(~finite).astype(jnp.int32), step=new_state.step)
         return new_state, metrics
 
+    step.loss_and_grads = loss_and_grads
     return step
+
+
+# --------------------------------------------------------------------------------------------
+# the step's inputs
+# --------------------------------------------------------------------------------------------
+def batch_spec(size: tuple, batch: int, text_spec: dict, mesh: jax.sharding.Mesh) -> dict:
+    """The step's batch as ShapeDtypeStructs (sharded over the batch axes) for a bucket of pixel
+    size (T, H, W) and `batch` global rows — what `global_batch` makes of a loader batch.
+    text_spec: {"ids": (shape, dtype), "text_mask": (shape, dtype)} (`Encoders.text_spec`)."""
+    t, h, w = size
+    f32 = jnp.float32
+    shapes = dict(video=((batch, 3, t, h, w), jnp.uint8), **text_spec, fps=((batch,), f32), height=((batch,), f32),
+                  width=((batch,), f32), num_frames=((batch,), f32))
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+            for k, (shape, dtype) in shapes.items()}
+
+
+def global_batch(host: dict, mesh: jax.sharding.Mesh) -> dict:
+    """A loader's host batch (this host's rows; text already turned into `ids`/`text_mask` by the
+    loader's workers) → the step's global arrays."""
+    video = np.asarray(host["video"])
+    if video.dtype != np.uint8:
+        raise TypeError(f"the loader must give uint8 video (mapped to [-1, 1] in the step), got {video.dtype}")
+    local = dict(video=video, ids=np.asarray(host["ids"]), text_mask=np.asarray(host["text_mask"], np.int32),
+                 **{k: np.asarray(host[k], np.float32) for k in ("fps", "height", "width", "num_frames")})
+    return host_to_global(local, mesh)
+
+
+# --------------------------------------------------------------------------------------------
+# the step on the mesh: ahead-of-time compiles per batch shape
+# --------------------------------------------------------------------------------------------
+def batch_key(batch: dict) -> tuple:
+    """What an executable is specialized on: each input's name, shape and dtype."""
+    return tuple(sorted((k, tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in batch.items()))
+
+
+@dataclasses.dataclass
+class CompileInfo:
+    """What XLA says about one compiled step (per device: the program is SPMD-partitioned)."""
+
+    seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse donated inputs (the train state)
+    temp_bytes: int  # activations and other scratch
+    flops: Optional[float]  # XLA's cost analysis of the partitioned program
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device memory the step needs: inputs + outputs (less what is donated) + scratch."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @classmethod
+    def of(cls, compiled, seconds: float) -> "CompileInfo":
+        m = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+        flops = float(cost["flops"]) if isinstance(cost, dict) and cost.get("flops") else None
+        get = lambda name: int(getattr(m, name, 0) or 0) if m is not None else 0  # noqa: E731
+        return cls(seconds, get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                   get("alias_size_in_bytes"), get("temp_size_in_bytes"), flops)
+
+
+class TrainStep:
+    """The train step jitted for the run's mesh.
+
+    Every trace, compile and call happens under `jax.set_mesh(mesh)` and the logical-axis rules:
+    outside them the model's activation-sharding constraints and the Ulysses `shard_map` would do
+    nothing at all — and compute the same numbers, so nothing else would notice. There is one
+    executable per batch shape (bucket): `compile` builds it ahead of time from shapes alone (the
+    memory check before step 0 reads `CompileInfo`), a call with a new shape compiles it first.
+    The state argument is donated.
+    """
+
+    def __init__(self, step_fn: Callable, plan: StatePlan):
+        self.step_fn, self.plan = step_fn, plan
+        self.mesh, self.rules = plan.mesh, plan.rules
+        self._jit = jax.jit(self._traced, donate_argnums=(0,), out_shardings=(plan.shardings, plan.replicated))
+        self.executables: dict = {}
+        self.info: dict = {}
+        self._lock = threading.Lock()
+
+    def _traced(self, state, batch, encoders):
+        with logical_rules(self.rules):
+            return self.step_fn(state, batch, encoders)
+
+    def lower(self, batch_spec: dict, encoders):
+        """Trace for abstract (or real) inputs; the state is the plan's abstract sharded state."""
+        with jax.set_mesh(self.mesh):
+            return self._jit.lower(self.plan.abstract_sharded, batch_spec, encoders)
+
+    def compile(self, batch_spec: dict, encoders, lowered=None, keep: bool = True) -> CompileInfo:
+        """Compile (once) the executable for this batch shape; thread-safe, so that several
+        buckets compile side by side (XLA releases the GIL). keep=False: only measure it."""
+        key = batch_key(batch_spec)
+        if key in self.info:
+            return self.info[key]
+        t0 = time.perf_counter()
+        lowered = lowered if lowered is not None else self.lower(batch_spec, encoders)
+        compiled = lowered.compile()
+        info = CompileInfo.of(compiled, time.perf_counter() - t0)
+        if not keep:
+            return info
+        with self._lock:
+            self.executables.setdefault(key, compiled)
+            self.info.setdefault(key, info)
+        return self.info[key]
+
+    def loss_and_grads(self, state, batch: dict, encoders):
+        """The step's loss and gradients, traced exactly as the step is (mesh, rules), not donated."""
+        def traced(state, batch, encoders):
+            with logical_rules(self.rules):
+                return self.step_fn.loss_and_grads(state, batch, encoders)
+
+        with jax.set_mesh(self.mesh):
+            return jax.jit(traced, out_shardings=(self.plan.replicated, self.plan.shardings.params))(
+                state, batch, encoders)
+
+    def __call__(self, state, batch: dict, encoders):
+        key = batch_key(batch)
+        exe = self.executables.get(key)
+        if exe is None:
+            self.compile(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch),
+                         encoders)
+            exe = self.executables[key]
+        with jax.set_mesh(self.mesh):
+            return exe(state, batch, encoders)

@@ -14,8 +14,10 @@ except ImportError:  # the data package's exception, once it exists
 
 class FakeLoader:
     def __init__(self, *, seed=0, data_parallel_size=1, per_device_batch=1, frames=4, size=(16, 16),
-                 steps_per_epoch=5, table_id="fake-v1", process_index=0, process_count=1, nan_from_step=None):
+                 steps_per_epoch=5, table_id="fake-v1", process_index=0, process_count=1, nan_from_step=None,
+                 text_inputs=None):
         self.seed, self.dp, self.bs = seed, data_parallel_size, per_device_batch
+        self.text_inputs = text_inputs
         self.pi, self.pc, self.nan_from = process_index, process_count, nan_from_step
         self.served = 0
         self.frames, self.size, self.n = frames, size, steps_per_epoch
@@ -30,15 +32,19 @@ class FakeLoader:
         grid = np.linspace(-1, 1, w, dtype=np.float32)
         phase = rng.uniform(0, 2, (b, 1, 1, 1, 1)).astype(np.float32)
         video = np.sin(3 * grid[None, None, None, None, :] + phase + 0.3 * np.arange(t)[None, None, :, None, None])
-        video = np.broadcast_to(video, (b, 3, t, h, w)).astype(np.float32)
+        # uint8, as the real loader gives (the step maps it to [-1, 1])
+        video = np.round((np.broadcast_to(video, (b, 3, t, h, w)) + 1) * 127.5).astype(np.uint8)
+        texts = [f"wave {p:.2f}" for p in phase.ravel()]
+        fps = np.full(b, 24.0, np.float32)
         if self.nan_from is not None and self.served >= self.nan_from:
-            video = np.full_like(video, np.nan)
-        full = dict(video=video, text=np.array([f"wave {p:.2f}" for p in phase.ravel()], object),
-                    fps=np.full(b, 24.0, np.float32), height=np.full(b, float(h), np.float32),
+            fps[:] = np.nan  # a non-finite input → non-finite loss
+        full = dict(video=video, text=np.array(texts, object), fps=fps, height=np.full(b, float(h), np.float32),
                     width=np.full(b, float(w), np.float32), num_frames=np.full(b, t, np.int32),
                     row=np.arange(b) + index * b)
         share = b // self.pc  # this host's contiguous slice of the global batch
         out = {k: v[self.pi * share:(self.pi + 1) * share] for k, v in full.items()}
+        if self.text_inputs is not None:  # as the real loader: in the loader, not the training thread
+            out.update(self.text_inputs(list(out["text"]), out["row"]))
         return dict(out, epoch=epoch, index=index + 1, bucket=("fake", t, h, w))
 
     def __iter__(self):

@@ -35,9 +35,9 @@ cfg = small_config(args.outputs, max_steps=args.max_steps, ckpt_every=args.ckpt_
                    mesh=tuple(int(x) for x in args.mesh.split(",")))
 
 
-def factory(c, dp):
+def factory(c, dp, text_inputs):
     return FakeLoader(data_parallel_size=dp, per_device_batch=args.batch // dp, process_index=jax.process_index(),
-                      process_count=jax.process_count())
+                      process_count=jax.process_count(), text_inputs=text_inputs)
 
 
 res = train(cfg, RunOptions(load=args.load), loader_factory=factory)

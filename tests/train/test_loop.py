@@ -23,10 +23,10 @@ GLOBAL_BATCH = 4  # every run below uses it, so most compiles hit the persistent
 
 
 def _run(cfg, opts=None, **loader_kw):
-    def factory(c, dp):
+    def factory(c, dp, text_inputs):
         kw = dict(per_device_batch=GLOBAL_BATCH // dp)
         kw.update(loader_kw)
-        return FakeLoader(data_parallel_size=dp, **kw)
+        return FakeLoader(data_parallel_size=dp, text_inputs=text_inputs, **kw)
 
     return train(cfg, opts or RunOptions(), loader_factory=factory)
 

@@ -1,0 +1,50 @@
+"""`python -m jaxsora.train ... --dry-run`: validate the config, the table and the bucket plan, and
+compile the real train step for every bucket of the plan — printing what each needs per device —
+without reading encoder weights, allocating the train state or training."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxsora.parallel.sharding import bytes_per_device
+from jaxsora.train import memory
+
+
+def _numbers(tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def dry_run(setup, loader, outdir: str) -> dict:
+    config, mesh, plan = setup.config, setup.mesh, setup.plan
+    n_train = _numbers(plan.abstract.params)
+    n_params = n_train + _numbers(plan.abstract.frozen)
+    state_bytes = bytes_per_device(plan.abstract_sharded)
+    mcfg = setup.model_config
+    lines = [f"model {config.model.get('name')}: {n_params:,} numbers ({n_train:,} trainable); "
+             f"remat {mcfg.remat} ({'all' if mcfg.remat_blocks < 0 else mcfg.remat_blocks} block pairs), "
+             f"scan_blocks {mcfg.scan_blocks}, compute {mcfg.compute_dtype}",
+             f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({jax.process_count()} processes)",
+             f"train state per device (params, frozen, EMA, Adam): {state_bytes / memory.GIB:.2f} GiB"]
+    plan_rows = loader.describe_plan(0)
+    total = 0
+    lines.append(f"epoch 0 plan ({loader.num_rows} rows in the table):")
+    lines.append(f"{'bucket (res, frames, H, W)':<32} {'rows':>7} {'batches/epoch':>14} {'global batch':>13}")
+    for bucket, nb, gb, rows in plan_rows:
+        lines.append(f"{str(bucket):<32} {rows:>7} {nb:>14} {gb:>13}")
+        total += nb
+    lines.append(f"steps per epoch: {total}")
+    if total == 0:
+        lines.append("WARNING: no full batch this epoch: no row fits the bucket config at this data-parallel size "
+                     "(too small, too short, or too few rows)")
+    if jax.process_index() == 0:
+        print("\n".join(lines), flush=True)
+    limit = memory.device_memory_limit(config)
+    shapes = [(b, gb) for b, nb, gb, _ in plan_rows if nb > 0]
+    rows = memory.compile_buckets(setup, shapes, limit=limit, threads=memory.compile_threads(config),
+                                  progress=jax.process_index() == 0)
+    table = memory.format_table(rows)
+    if jax.process_index() == 0:
+        print(f"per-device memory of the compiled train step ({len(rows)} bucket shapes):")
+        print(table, flush=True)
+    return dict(plan=plan_rows, steps_per_epoch=total, params=n_params, state_bytes=state_bytes, buckets=rows,
+                outputs=outdir)

@@ -1,0 +1,156 @@
+"""Device memory of every bucket before step 0, read from the compiled train step.
+
+For each bucket shape of the plan the real step (the run's mesh, shardings, encoders, remat
+policy) is lowered and compiled ahead of time, and XLA's `memory_analysis()` gives per device the
+bytes of the arguments (state, batch, encoder weights), of the outputs, of what the donated state
+saves, and of the temporaries (activations). Compiles run in parallel threads; the executables are
+kept and are the ones training runs. A bucket fits when its peak is within the device's memory
+(`train.device_memory_gib`, or what the device reports).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from typing import Optional, Sequence
+
+import jax
+
+from jaxsora.train.step import CompileInfo
+
+GIB = 1 << 30
+
+
+class MemoryPlanError(ValueError):
+    """Some bucket of the plan cannot fit on the device: a user error (batch sizes, remat, mesh)."""
+
+
+@dataclasses.dataclass
+class BucketMemory:
+    bucket: tuple  # (resolution, T, H, W) — pixel size
+    global_batch: int
+    per_device_batch: int
+    tokens: int  # image tokens per sample
+    info: CompileInfo
+    limit: Optional[int]  # device bytes, None when unknown
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.limit is None else self.info.peak_bytes <= self.limit
+
+
+def device_memory_limit(config) -> Optional[int]:
+    """Bytes one device may use: `train.device_memory_gib` when set (e.g. 80 to plan for an H100
+    from a CPU dry run), else the device's own `bytes_limit` (GPU/TPU), else None (CPU)."""
+    gib = float(config.train.get("device_memory_gib", 0) or 0)
+    if gib > 0:
+        return int(gib * GIB)
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # backends without memory stats
+        stats = None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def compile_threads(config) -> int:
+    n = int(config.train.get("compile_threads", 0) or 0)
+    return n if n > 0 else max(1, min(8, os.cpu_count() or 1))
+
+
+def compile_buckets(setup, buckets: Sequence[tuple], *, limit: Optional[int], threads: int = 1,
+                    progress: bool = True) -> list[BucketMemory]:
+    """buckets: [(bucket (res, T, H, W), global batch)]. Lowering is sequential (tracing holds
+    the GIL); the XLA compiles run side by side in `threads` threads."""
+    from tqdm import tqdm
+
+    dp = setup.data_parallel_size
+    jobs = []
+    for bucket, gb in buckets:
+        spec = setup.batch_spec(tuple(bucket[1:]), gb)
+        jobs.append((bucket, gb, spec, setup.step.lower(spec, setup.encoders.weights)))
+    bar = tqdm(total=len(jobs), desc="compiling the train step per bucket", unit="bucket",
+               disable=not progress or len(jobs) < 2)
+
+    def one(job):
+        bucket, gb, spec, lowered = job
+        info = setup.step.compile(spec, setup.encoders.weights, lowered=lowered)
+        bar.update(1)
+        return BucketMemory(tuple(bucket), gb, gb // dp, setup.tokens_per_sample(bucket[1:]), info, limit)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        out = list(pool.map(one, jobs))
+    bar.close()
+    return out
+
+
+def peak_bytes(setup, size: tuple, global_batch: int) -> int:
+    """The compiled step's peak bytes per device for one shape (not kept for training)."""
+    spec = setup.batch_spec(size, global_batch)
+    return setup.step.compile(spec, setup.encoders.weights, keep=False).peak_bytes
+
+
+def largest_batch(setup, size: tuple, limit: int, start: int, *, cap: Optional[int] = None) -> int:
+    """The largest per-device batch whose step fits in `limit` bytes, by compiling: peak memory is
+    close to affine in the batch, so two compiles give an estimate, then a few more pin it down.
+    `start`: a per-device batch to begin from; `cap`: never go above. 0 if one sample does not fit."""
+    dp = setup.data_parallel_size
+    cache: dict[int, int] = {}
+
+    def peak(b):
+        if b not in cache:
+            cache[b] = peak_bytes(setup, size, b * dp)
+        return cache[b]
+
+    if peak(1) > limit:
+        return 0
+    hi = max(2, int(start))
+    slope = max(1.0, (peak(hi) - peak(1)) / (hi - 1))
+    guess = max(1, 1 + int((limit - peak(1)) // slope))
+    if cap:
+        guess = min(guess, cap)
+    b = guess
+    if peak(b) > limit:  # overshot: binary search in [1 (fits), b (does not))
+        lo, hi = 1, b
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak(mid) <= limit else (lo, mid)
+        return lo
+    while (cap is None or b < cap) and peak(b + 1) <= limit:
+        b += 1
+    return b
+
+
+def format_table(rows: Sequence[BucketMemory]) -> str:
+    gb = lambda n: f"{n / GIB:8.2f}"  # noqa: E731
+    head = (f"{'bucket (res, frames×H×W)':<30} {'global':>6} {'/dev':>5} {'tokens':>7} {'compile s':>9} "
+            f"{'args GiB':>8} {'out GiB':>8} {'temp GiB':>8} {'peak GiB':>8}  fits")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        res, t, h, w = r.bucket
+        fits = "?" if r.fits is None else ("yes" if r.fits else "NO")
+        lines.append(f"{f'{res} {t}×{h}×{w}':<30} {r.global_batch:>6} {r.per_device_batch:>5} {r.tokens:>7} "
+                     f"{r.info.seconds:>9.1f} {gb(r.info.argument_bytes)} {gb(r.info.output_bytes)} "
+                     f"{gb(r.info.temp_bytes)} {gb(r.info.peak_bytes)}  {fits}")
+    limit = next((r.limit for r in rows if r.limit), None)
+    lines.append(f"device memory: {limit / GIB:.2f} GiB per device" if limit else
+                 "device memory: unknown on this backend; set train.device_memory_gib (e.g. 80 for an H100) "
+                 "to check the fit")
+    return "\n".join(lines)
+
+
+def refusal(setup, rows: Sequence[BucketMemory]) -> Optional[str]:
+    """None when every bucket fits; else the message naming each bucket that does not, and the
+    largest per-device batch that would."""
+    bad = [r for r in rows if r.fits is False]
+    if not bad:
+        return None
+    lines = [f"{len(bad)} bucket(s) of the plan do not fit in {bad[0].limit / GIB:.2f} GiB per device:"]
+    for r in bad:
+        res, t, h, w = r.bucket
+        best = largest_batch(setup, (t, h, w), r.limit, r.per_device_batch, cap=r.per_device_batch)
+        fix = f"largest per-device batch that fits: {best}" if best else "even one sample per device does not fit"
+        lines.append(f"  {res} {t}×{h}×{w}: per-device batch {r.per_device_batch} needs "
+                     f"{r.info.peak_bytes / GIB:.2f} GiB — {fix}")
+    lines.append("lower those batch sizes in data.bucket_config (python -m jaxsora.tools.search_bs writes one), "
+                 "or use model.remat / a larger mesh.fsdp or mesh.sequence")
+    return "\n".join(lines)

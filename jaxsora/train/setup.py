@@ -1,0 +1,127 @@
+"""Everything a run needs before its first step, built from the config in one place: the mesh
+and its rules, the frozen encoders, the STDiT3 config, the train-state plan (shapes and
+shardings, nothing allocated), the jitted step and the data loader; and the initial state for
+each resume mode, every array created directly in its shard.
+
+Resume modes (the reference's flags, spec §6):
+- `--load DIR`: everything (params, EMA, optimizer, step, data position, RNG, wandb run) — an exact
+  continuation; the loader refuses a changed table, bucket config, seed or data-parallel size
+  unless `--start-from-scratch` (then the data order restarts, the rest continues).
+- `--ckpt-path P`: weights only (a jaxsora checkpoint or an Open-Sora/PixArt-Σ .pth/.safetensors);
+  fresh optimizer, schedule and data order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from jaxsora.models.stdit3 import STDiT3Config
+from jaxsora.parallel import mesh as mesh_lib
+from jaxsora.train import build
+from jaxsora.train.optim import lr_schedule, make_optimizer
+from jaxsora.train.state import StatePlan, TrainState, init_state_sharded, init_weights_sharded, plan_state, \
+    state_from_weights
+from jaxsora.train.step import TrainStep, batch_spec, make_train_step
+
+
+def plain(cfg) -> dict:
+    return json.loads(cfg.to_json_best_effort()) if hasattr(cfg, "to_json_best_effort") else dict(cfg)
+
+
+@dataclasses.dataclass
+class RunSetup:
+    config: Any
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    encoders: build.Encoders
+    model_config: STDiT3Config
+    plan: StatePlan
+    step: TrainStep
+    lr_fn: Callable
+
+    @property
+    def data_parallel_size(self) -> int:
+        return mesh_lib.data_parallel_size(self.mesh)
+
+    def batch_spec(self, size: tuple, global_batch: int) -> dict:
+        """The step's abstract batch for a bucket of pixel size (T, H, W)."""
+        return batch_spec(size, global_batch, self.encoders.text_spec(global_batch), self.mesh)
+
+    def tokens_per_sample(self, size: tuple) -> int:
+        """Image tokens STDiT3 sees for a clip of pixel size (T, H, W)."""
+        lt, lh, lw = self.encoders.latent_size(tuple(size))
+        pt, ph, pw = self.model_config.patch_size
+        return (-(-lt // pt)) * (-(-lh // ph)) * (-(-lw // pw))
+
+
+def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
+    """Mesh → encoders → model config → state plan → jitted step. `abstract_encoders`: no encoder
+    weights are read (the dry run and the batch-size search compile with their shapes)."""
+    mesh = mesh_lib.make_mesh(config.mesh)
+    rules = mesh_lib.logical_rules(mesh)
+    encoders = build.build_encoders(config, mesh, rules, abstract=abstract_encoders)
+    mcfg = build.build_model_config(config.model, in_channels=encoders.in_channels,
+                                    caption_channels=encoders.caption_channels,
+                                    model_max_length=encoders.model_max_length)
+    mesh_lib.check_sequence_parallel(mcfg.num_heads, mesh)
+    if mesh_lib.sequence_parallel_size(mesh) > 1:
+        mcfg = mcfg.replace(sequence_parallel_axis="sequence")
+    tx = make_optimizer(config.optim)
+    plan = plan_state(mcfg, tx, int(config.train.seed), mesh, rules)
+    step_fn = make_train_step(plan.graphdef, tx, encode_video=encoders.encode_video,
+                              encode_text=encoders.encode_text, scheduler_cfg=plain(config.scheduler),
+                              mask_ratios=plain(config.mask_ratios) or None, ema_decay=float(config.optim.ema_decay),
+                              lr_fn=lr_schedule(config.optim))
+    return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan), lr_schedule(config.optim))
+
+
+def default_loader(config, dp: int, text_inputs):
+    """The grain video loader of `config.data` (see `jaxsora.data.loader`)."""
+    from jaxsora.data.buckets import normalize_bucket_config
+    from jaxsora.data.loader import VideoLoader
+
+    dcfg = config.data
+    buckets = normalize_bucket_config(plain(dcfg.bucket_config))
+    if int(dcfg.get("batch_size_override", 0) or 0) > 0:
+        bs = int(dcfg.batch_size_override)
+        buckets = {r: {f: (p, None if b is None else bs) for f, (p, b) in fr.items()} for r, fr in buckets.items()}
+    return VideoLoader(dcfg.table, buckets, seed=int(dcfg.get("seed", config.train.seed)),
+                       data_parallel_size=dp, process_index=jax.process_index(),
+                       process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
+                       decode_threads=int(dcfg.get("decode_threads", 1)), prefetch=int(dcfg.get("prefetch", 2)),
+                       index_dir=dcfg.get("index_dir") or None, frame_interval=int(dcfg.get("frame_interval", 1)),
+                       extra_resolutions=plain(dcfg.resolutions) if dcfg.get("resolutions") else None,
+                       text_inputs=text_inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# the initial state
+# --------------------------------------------------------------------------------------------
+def weights_only_state(setup: RunSetup, path: str) -> TrainState:
+    """`--ckpt-path`: weights read shard by shard into a fresh state (step 0, new optimizer, EMA =
+    the weights). Open-Sora/PixArt files may lack parameters: those keep the fresh initialization."""
+    from jaxsora.convert import sharded
+    from jaxsora.models.stdit3 import trainable_filter
+
+    plan = setup.plan
+    # One state of every model variable (trainable and frozen) for the readers, split back after.
+    both = nnx.merge_state(*init_weights_sharded(plan))
+    both_sh = nnx.merge_state(plan.shardings.params, plan.shardings.frozen)
+    if os.path.isdir(path):
+        both = sharded.load_native_weights(path, both, both_sh)
+        print(f"[jaxsora] --ckpt-path: loaded weights from {path}")
+    else:
+        both, report = sharded.load_torch_weights(path, both, both_sh, setup.model_config)
+        print(f"[jaxsora] --ckpt-path {path}: {report.summary()}")
+    params, frozen = nnx.split_state(both, trainable_filter(setup.model_config), ...)
+    return state_from_weights(plan, params, frozen)
+
+
+def fresh_state(setup: RunSetup) -> TrainState:
+    """A newly initialized state, computed in its shards."""
+    return init_state_sharded(setup.plan)

@@ -1,0 +1,132 @@
+"""The train state: what it holds, how it is sharded, and how it comes into existence on the mesh.
+
+`TrainState` = step, trainable params, frozen variables (frozen Params and Buffers), optimizer
+state, EMA of the params and the RNG key. Every array is created directly in its shard:
+
+- `StatePlan` traces the model's construction once (blocks are built in nested traces, see
+  `models.stdit3`), which gives the graphdef, the abstract state and, from the logical axis
+  names on each parameter, the state's shardings — no array is allocated.
+- `init_state_sharded` runs that initialization as one jitted program whose outputs are the
+  shards (no full copy on any device or host).
+- `state_from_weights` builds the optimizer state and EMA for loaded weights (`--ckpt-path`) on
+  the mesh; the weights themselves are read shard by shard by `jaxsora.convert.sharded`.
+- Restoring (`--load`) reads each shard from the checkpoint into its target sharding
+  (`jaxsora.train.checkpoint.restore` with `plan.abstract_sharded`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxsora.models.stdit3 import STDiT3, STDiT3Config, trainable_filter
+from jaxsora.parallel.sharding import abstract_with_shardings, constrain_tree, tree_shardings
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # optimizer steps applied (int32)
+    params: Any  # nnx.State of the trainable Params
+    frozen: Any  # nnx.State of everything else in the model (frozen Params, Buffers)
+    opt_state: Any
+    ema: Any  # nnx.State, float32, same tree as params
+    rng: jax.Array  # raw key data (uint32), so orbax stores it as a plain array
+
+
+def split_model(model: STDiT3):
+    """(graphdef, trainable state, frozen state)."""
+    return nnx.split(model, trainable_filter(model.config), ...)
+
+
+def _state_from(params, frozen, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        frozen=frozen,
+        opt_state=tx.init(params),
+        ema=jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params),  # not an alias: both are donated
+        rng=jax.random.key_data(jax.random.key(seed)),
+    )
+
+
+def init_state(model: STDiT3, tx: optax.GradientTransformation, seed: int) -> tuple[Any, TrainState]:
+    """(graphdef, TrainState) of an existing model (single device; tests, benchmarks)."""
+    graphdef, params, frozen = split_model(model)
+    return graphdef, _state_from(params, frozen, tx, seed)
+
+
+@dataclasses.dataclass
+class StatePlan:
+    """The train state of `config` on `mesh`, before any array exists."""
+
+    config: STDiT3Config
+    tx: optax.GradientTransformation
+    seed: int
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    graphdef: Any
+    abstract: TrainState  # ShapeDtypeStructs (inside nnx Variables, with their logical names)
+    shardings: TrainState  # a NamedSharding per leaf
+
+    @property
+    def abstract_sharded(self) -> TrainState:
+        """ShapeDtypeStructs carrying the target shardings (restore targets, AOT compiles)."""
+        return abstract_with_shardings(self.abstract, self.shardings)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def _model(self) -> STDiT3:
+        return STDiT3(self.config, rngs=nnx.Rngs(self.seed))
+
+
+def plan_state(config: STDiT3Config, tx: optax.GradientTransformation, seed: int, mesh: jax.sharding.Mesh,
+               rules) -> StatePlan:
+    """Trace the model's construction once (nothing is allocated) and derive the shardings."""
+    box = {}
+
+    def build():
+        graphdef, params, frozen = split_model(STDiT3(config, rngs=nnx.Rngs(seed)))
+        box["graphdef"] = graphdef
+        return _state_from(params, frozen, tx, seed)
+
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(build)
+    return StatePlan(config, tx, seed, mesh, rules, box["graphdef"], abstract,
+                     tree_shardings(abstract, mesh, rules))
+
+
+def init_state_sharded(plan: StatePlan) -> TrainState:
+    """A freshly initialized state, each array computed directly in its shard."""
+    def init():
+        graphdef, params, frozen = split_model(plan._model())
+        return constrain_tree(_state_from(params, frozen, plan.tx, plan.seed), plan.shardings)
+
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(init, out_shardings=plan.shardings)()
+
+
+def init_weights_sharded(plan: StatePlan) -> tuple[Any, Any]:
+    """(params, frozen) of a fresh model, sharded — the starting point of a partial weight load
+    (what a file lacks keeps this initialization)."""
+    def init():
+        _, params, frozen = split_model(plan._model())
+        return constrain_tree((params, frozen), (plan.shardings.params, plan.shardings.frozen))
+
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(init, out_shardings=(plan.shardings.params, plan.shardings.frozen))()
+
+
+def state_from_weights(plan: StatePlan, params, frozen) -> TrainState:
+    """Step 0, fresh optimizer state, EMA = the weights: `--ckpt-path`. Runs on the mesh."""
+    def complete(params, frozen):
+        return constrain_tree(_state_from(params, frozen, plan.tx, plan.seed), plan.shardings)
+
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(complete, out_shardings=plan.shardings, donate_argnums=(0, 1))(params, frozen)
