@@ -52,6 +52,7 @@ def get_config():
     c.data = mlc.ConfigDict(dict(
         table="",                       # --data-path
         bucket_config=STAGE1_BUCKETS,
+        bucket_config_file="",          # a JSON bucket config replacing bucket_config (python -m jaxsora.tools.search_bs)
         batch_size_override=0,          # > 0: every bucket's per-device batch (smoke tests of a stage config)
         text_cache="",                  # a data_tools.precompute folder: cached T5 states instead of T5 in the step
         resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's

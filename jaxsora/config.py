@@ -91,14 +91,33 @@ def validate_config(config, opts=None) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model: {e}") from e
 
+    load_bucket_config_file(config)
+    from jaxsora.data import buckets
+
     try:
-        from jaxsora.data import buckets
-    except ImportError:
+        extra = config.data.get("resolutions") or None
+        buckets.validate_bucket_config(config.data.bucket_config, extra.to_dict() if hasattr(extra, "to_dict") else extra)
+    except ValueError as e:
+        raise ConfigError(f"data.bucket_config: {e}") from e
+
+
+def load_bucket_config_file(config) -> None:
+    """`data.bucket_config_file` (a JSON file, e.g. from `python -m jaxsora.tools.search_bs`)
+    replaces `data.bucket_config`."""
+    path = config.data.get("bucket_config_file")
+    if not path:
         return
-    checker = getattr(buckets, "validate_bucket_config", None)
-    if checker is not None:
-        try:
-            extra = config.data.get("resolutions") or None
-            checker(config.data.bucket_config, extra.to_dict() if hasattr(extra, "to_dict") else extra)
-        except ValueError as e:
-            raise ConfigError(f"data.bucket_config: {e}") from e
+    import json
+
+    import ml_collections
+
+    _need_file(path, "data.bucket_config_file")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"data.bucket_config_file {path}: not JSON ({e})") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"data.bucket_config_file {path}: expected {{resolution: {{frames: [keep_prob, batch]}}}}")
+    with config.unlocked():
+        config.data.bucket_config = ml_collections.ConfigDict(loaded)

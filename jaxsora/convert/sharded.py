@@ -19,14 +19,9 @@ from typing import Optional
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxsora.convert.torch import LoadReport, from_torch_layout, torch_key, torch_shape
 from jaxsora.io.weights import LazyTensor, open_state_dict
-
-
-def _flat(state) -> dict[tuple, nnx.Variable]:
-    return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(state)}
 
 
 def _reparameterized(sd: dict[str, LazyTensor], model_max_length: int) -> dict[str, LazyTensor]:
@@ -60,43 +55,32 @@ def _torch_index(path: tuple, index: tuple) -> tuple:
     return (index[4], index[3], index[0], index[1], index[2])  # Conv3d [kt, kh, kw, in, out] ↔ [out, in, kt, kh, kw]
 
 
-def _from_lazy(path: tuple, tensor: LazyTensor, var_sharding, shape, dtype) -> jax.Array:
+def _from_lazy(path: tuple, tensor: LazyTensor, target: jax.ShapeDtypeStruct) -> jax.Array:
     def shard(index):
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        index = tuple(index) + (slice(None),) * (len(target.shape) - len(index))
         block = tensor[_torch_index(path, index)]
-        return from_torch_layout(path, block).astype(dtype)
+        return from_torch_layout(path, block).astype(target.dtype)
 
-    return jax.make_array_from_callback(shape, var_sharding, shard)
+    return jax.make_array_from_callback(target.shape, target.sharding, shard)
 
 
-def load_torch_weights(path: str, state, shardings, config) -> tuple[object, LoadReport]:
-    """Fill `state` (an nnx.State of every model Variable, sharded; the fresh initialization) from
-    an Open-Sora / PixArt-Σ file, shard by shard. Returns (new state, report)."""
-    sd = _reparameterized(open_state_dict(path), config.model_max_length)
-    flat, flat_sh = _flat(state), _flat(shardings)
-    mapped, initialized, new = [], [], {}
-    for p, var in flat.items():
+def read_torch_weights(path: str, targets: dict, model_max_length: int) -> tuple[dict, LoadReport]:
+    """{NNX path: sharded jax.Array} of the `targets` an Open-Sora / PixArt-Σ file holds, each
+    read shard by shard, and the report (mapped / initialized = absent from the file / ignored)."""
+    sd = _reparameterized(open_state_dict(path), model_max_length)
+    out, initialized = {}, []
+    for p, target in targets.items():
         key = torch_key(p)
         if key not in sd:
             initialized.append(key)
             continue
-        tensor, want = sd[key], tuple(var.get_value().shape)
-        if tuple(tensor.shape) != torch_shape(p, want):
+        tensor = sd[key]
+        if tuple(tensor.shape) != torch_shape(p, target.shape):
             raise ValueError(f"{path}: shape mismatch for {key}: the file has {tuple(tensor.shape)}, "
-                             f"the model expects {torch_shape(p, want)}")
-        new[p] = _from_lazy(p, tensor, flat_sh[p].get_value(), want, var.get_value().dtype)
-        mapped.append(key)
-    used = {torch_key(p) for p in new}
-    report = LoadReport(mapped, initialized, sorted(set(sd) - used))
-    return _replace(state, new), report
-
-
-def _replace(state, new: dict):
-    pairs = []
-    for path, var in nnx.to_flat_state(state):
-        key = tuple(str(p) for p in path)
-        pairs.append((path, var.replace(new[key]) if key in new else var))
-    return nnx.from_flat_state(pairs)
+                             f"the model expects {torch_shape(p, target.shape)}")
+        out[p] = _from_lazy(p, tensor, target)
+    mapped = [torch_key(p) for p in out]
+    return out, LoadReport(mapped, initialized, sorted(set(sd) - set(mapped)))
 
 
 def _checkpoint_subtrees(meta_tree: dict, ema: bool) -> list[str]:
@@ -107,9 +91,10 @@ def _checkpoint_subtrees(meta_tree: dict, ema: bool) -> list[str]:
     return [first] + [k for k in ("frozen", "buffers", "model_state") if k in meta_tree]
 
 
-def load_native_weights(path: str, state, shardings, *, ema: bool = False, step: Optional[int] = None):
-    """Fill `state` from a jaxsora checkpoint folder, each array restored into its sharding.
-    Every model variable must be present (a jaxsora checkpoint is complete)."""
+def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Optional[int] = None) -> dict:
+    """{NNX path: sharded jax.Array} for every target, from a jaxsora checkpoint folder: orbax
+    reads each shard into its sharding. Every model variable must be there (a jaxsora checkpoint
+    is complete)."""
     import orbax.checkpoint as ocp
 
     from jaxsora.convert.native import resolve_step_dir
@@ -120,44 +105,43 @@ def load_native_weights(path: str, state, shardings, *, ema: bool = False, step:
     tree = getattr(getattr(meta, "item_metadata", meta), "tree", None) or dict(meta)
     subtrees = _checkpoint_subtrees(tree, ema)
 
-    def find(p):
+    def find(names):
+        """(subtree, stored path, leaf metadata): an nnx.State stores each Variable as
+        {"value": array} (training checkpoints), a pure dict as the array (converter outputs)."""
         for sub in subtrees:
             node = tree[sub]
-            for part in p + ("value",):
-                if not isinstance(node, dict) or part not in node:
-                    node = None
-                    break
-                node = node[part]
-            if node is not None:
-                return sub, node
-        return None, None
+            for part in names:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict) and "value" in node:
+                return sub, (sub,) + names + ("value",), node["value"]
+            if node is not None and not isinstance(node, dict):
+                return sub, (sub,) + names, node
+        return None, None, None
 
-    flat, flat_sh = _flat(state), _flat(shardings)
     item, restore_args, where, missing = {}, {}, {}, []
-    for p, var in flat.items():
-        sub, leaf = find(p)
+    for p, target in targets.items():
+        names = tuple(str(x) for x in p)
+        sub, keys, leaf = find(names)
         if leaf is None:
-            missing.append(".".join(p))
+            missing.append(".".join(names))
             continue
-        want = tuple(var.get_value().shape)
-        if tuple(leaf.shape) != want:
-            raise ValueError(f"{step_dir}: shape mismatch for {'.'.join(p)}: stored {tuple(leaf.shape)}, "
-                             f"the model expects {want}")
-        node_i, node_a = item.setdefault(sub, {}), restore_args.setdefault(sub, {})
-        for part in p:
+        if tuple(leaf.shape) != tuple(target.shape):
+            raise ValueError(f"{step_dir}: shape mismatch for {'.'.join(names)}: stored {tuple(leaf.shape)}, "
+                             f"the model expects {tuple(target.shape)}")
+        node_i, node_a = item, restore_args
+        for part in keys[:-1]:
             node_i, node_a = node_i.setdefault(part, {}), node_a.setdefault(part, {})
-        dtype = var.get_value().dtype
-        node_i["value"] = jax.ShapeDtypeStruct(want, dtype, sharding=flat_sh[p].get_value())
-        node_a["value"] = ocp.ArrayRestoreArgs(sharding=flat_sh[p].get_value(), dtype=dtype)
-        where[p] = (sub,) + p + ("value",)
+        node_i[keys[-1]] = target
+        node_a[keys[-1]] = ocp.ArrayRestoreArgs(sharding=target.sharding, dtype=target.dtype)
+        where[p] = keys
     if missing:
         raise ValueError(f"{step_dir}: missing {len(missing)} model weights, e.g. {missing[:5]}")
     restored = ckptr.restore(os.path.join(step_dir, "state"),
                              args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
-    new = {}
+    out = {}
     for p, keys in where.items():
         node = restored
         for k in keys:
             node = node[k]
-        new[p] = node
-    return _replace(state, new)
+        out[p] = node
+    return out

@@ -29,8 +29,9 @@ _ST_DTYPES = {
 class LazyTensor:
     """A tensor in a file: `.shape`, `.dtype` (numpy), `[index]` → numpy (only that slice is read)."""
 
-    def __init__(self, shape, dtype, read):
+    def __init__(self, shape, dtype, read, name: str = ""):
         self.shape, self.dtype, self._read = tuple(int(d) for d in shape), np.dtype(dtype), read
+        self.name = name
 
     @property
     def ndim(self) -> int:
@@ -80,7 +81,7 @@ class SafetensorsFile(Mapping[str, LazyTensor]):
             arr = np.memmap(self.path, dtype=dt, mode="r", offset=self.offset + start, shape=shape)
             return np.array(arr[index])  # copies just the slice out of the map
 
-        return LazyTensor(shape, dt, read)
+        return LazyTensor(shape, dt, read, key)
 
     def _bytes(self, start, end) -> bytes:
         with open(self.path, "rb") as f:
@@ -94,7 +95,7 @@ class SafetensorsFile(Mapping[str, LazyTensor]):
         return len(self.header)
 
 
-def _torch_lazy(t) -> LazyTensor:
+def _torch_lazy(t, name: str) -> LazyTensor:
     import torch
 
     def read(index):
@@ -104,7 +105,7 @@ def _torch_lazy(t) -> LazyTensor:
         return part.contiguous().numpy()
 
     dtype = ml_dtypes.bfloat16 if t.dtype == torch.bfloat16 else t.new_empty(()).numpy().dtype
-    return LazyTensor(tuple(t.shape), dtype, read)
+    return LazyTensor(tuple(t.shape), dtype, read, name)
 
 
 def _load_torch(path: str):
@@ -157,5 +158,5 @@ def open_state_dict(path: str) -> dict[str, LazyTensor]:
         if not isinstance(obj, Mapping):
             raise ValueError(f"{path}: expected a state dict, found a {type(obj).__name__}")
         flat = _unwrap(obj, lambda v: isinstance(v, torch.Tensor))
-        return {k: _torch_lazy(v) for k, v in flat.items()}
+        return {k: _torch_lazy(v, k) for k, v in flat.items()}
     raise ValueError(f"{path}: unknown weights format (expected .safetensors, .pth, .pt, .bin or .ckpt)")

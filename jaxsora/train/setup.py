@@ -18,14 +18,13 @@ import os
 from typing import Any, Callable
 
 import jax
-from flax import nnx
 
 from jaxsora.models.stdit3 import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.optim import lr_schedule, make_optimizer
-from jaxsora.train.state import StatePlan, TrainState, init_state_sharded, init_weights_sharded, plan_state, \
-    state_from_weights
+from jaxsora.train.state import (StatePlan, TrainState, init_state_sharded, init_variables_sharded, model_variables,
+                                 plan_state, state_from_weights, with_variables)
 from jaxsora.train.step import TrainStep, batch_spec, make_train_step
 
 
@@ -104,22 +103,19 @@ def default_loader(config, dp: int, text_inputs):
 # --------------------------------------------------------------------------------------------
 def weights_only_state(setup: RunSetup, path: str) -> TrainState:
     """`--ckpt-path`: weights read shard by shard into a fresh state (step 0, new optimizer, EMA =
-    the weights). Open-Sora/PixArt files may lack parameters: those keep the fresh initialization."""
+    the weights). Open-Sora/PixArt files may lack parameters: only those are initialized."""
     from jaxsora.convert import sharded
-    from jaxsora.models.stdit3 import trainable_filter
 
     plan = setup.plan
-    # One state of every model variable (trainable and frozen) for the readers, split back after.
-    both = nnx.merge_state(*init_weights_sharded(plan))
-    both_sh = nnx.merge_state(plan.shardings.params, plan.shardings.frozen)
+    targets = model_variables(plan.abstract_sharded)
     if os.path.isdir(path):
-        both = sharded.load_native_weights(path, both, both_sh)
+        loaded = sharded.read_native_weights(path, targets)
         print(f"[jaxsora] --ckpt-path: loaded weights from {path}")
     else:
-        both, report = sharded.load_torch_weights(path, both, both_sh, setup.model_config)
+        loaded, report = sharded.read_torch_weights(path, targets, setup.model_config.model_max_length)
         print(f"[jaxsora] --ckpt-path {path}: {report.summary()}")
-    params, frozen = nnx.split_state(both, trainable_filter(setup.model_config), ...)
-    return state_from_weights(plan, params, frozen)
+    values = {**init_variables_sharded(plan, set(targets) - set(loaded)), **loaded}
+    return state_from_weights(plan, *with_variables(plan, values))
 
 
 def fresh_state(setup: RunSetup) -> TrainState:

@@ -9,7 +9,8 @@ state, EMA of the params and the RNG key. Every array is created directly in its
 - `init_state_sharded` runs that initialization as one jitted program whose outputs are the
   shards (no full copy on any device or host).
 - `state_from_weights` builds the optimizer state and EMA for loaded weights (`--ckpt-path`) on
-  the mesh; the weights themselves are read shard by shard by `jaxsora.convert.sharded`.
+  the mesh; the weights themselves are read shard by shard by `jaxsora.convert.sharded`, and only
+  what a file lacks is initialized (`init_variables_sharded`).
 - Restoring (`--load`) reads each shard from the checkpoint into its target sharding
   (`jaxsora.train.checkpoint.restore` with `plan.abstract_sharded`).
 """
@@ -112,15 +113,34 @@ def init_state_sharded(plan: StatePlan) -> TrainState:
         return jax.jit(init, out_shardings=plan.shardings)()
 
 
-def init_weights_sharded(plan: StatePlan) -> tuple[Any, Any]:
-    """(params, frozen) of a fresh model, sharded — the starting point of a partial weight load
-    (what a file lacks keeps this initialization)."""
+def model_variables(tree) -> dict:
+    """{NNX path: leaf} of the params and frozen variables of a TrainState-shaped tree."""
+    return {tuple(path): v.get_value() for sub in (tree.params, tree.frozen) for path, v in nnx.to_flat_state(sub)}
+
+
+def init_variables_sharded(plan: StatePlan, paths) -> dict:
+    """{NNX path: array} of the fresh initialization of just these model variables, each in its
+    shard — what a partial weight file lacks. The other initializers are dead code XLA drops."""
+    paths = set(paths)
+    if not paths:
+        return {}
+    shardings = {p: s for p, s in model_variables(plan.shardings).items() if p in paths}
+
     def init():
         _, params, frozen = split_model(plan._model())
-        return constrain_tree((params, frozen), (plan.shardings.params, plan.shardings.frozen))
+        values = {tuple(path): v.get_value() for sub in (params, frozen) for path, v in nnx.to_flat_state(sub)}
+        return constrain_tree({p: values[p] for p in shardings}, shardings)
 
     with jax.set_mesh(plan.mesh):
-        return jax.jit(init, out_shardings=(plan.shardings.params, plan.shardings.frozen))()
+        return jax.jit(init, out_shardings=shardings)()
+
+
+def with_variables(plan: StatePlan, values: dict) -> tuple[Any, Any]:
+    """(params, frozen) nnx.States of the plan's structure holding `values` {NNX path: array}."""
+    def fill(abstract):
+        return nnx.from_flat_state([(path, v.replace(values[tuple(path)])) for path, v in nnx.to_flat_state(abstract)])
+
+    return fill(plan.abstract.params), fill(plan.abstract.frozen)
 
 
 def state_from_weights(plan: StatePlan, params, frozen) -> TrainState:
