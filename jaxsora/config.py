@@ -96,7 +96,8 @@ def validate_config(config, opts=None) -> None:
 
     try:
         extra = config.data.get("resolutions") or None
-        buckets.validate_bucket_config(config.data.bucket_config, extra.to_dict() if hasattr(extra, "to_dict") else extra)
+        extra = extra.to_dict() if hasattr(extra, "to_dict") else extra
+        buckets.validate_bucket_config(config.data.bucket_config, extra)
     except ValueError as e:
         raise ConfigError(f"data.bucket_config: {e}") from e
 

@@ -46,5 +46,7 @@ def dry_run(setup, loader, outdir: str) -> dict:
     if jax.process_index() == 0:
         print(f"per-device memory of the compiled train step ({len(rows)} bucket shapes):")
         print(table, flush=True)
+        for note in memory.backend_notes(setup.model_config):
+            print(f"note: {note}")
     return dict(plan=plan_rows, steps_per_epoch=total, params=n_params, state_bytes=state_bytes, buckets=rows,
                 outputs=outdir)

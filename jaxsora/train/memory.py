@@ -120,6 +120,19 @@ def largest_batch(setup, size: tuple, limit: int, start: int, *, cap: Optional[i
     return b
 
 
+def backend_notes(model_config) -> list[str]:
+    """What the compiled numbers on this backend do not show (XLA:CPU specifics)."""
+    if jax.default_backend() != "cpu":
+        return []
+    notes = []
+    if model_config.remat != "none" and not model_config.scan_blocks:
+        notes.append("XLA:CPU drops remat's optimization barriers, so unrolled remat saves no memory here (GPU and "
+                     "TPU keep them): set model.scan_blocks=True for activation memory that holds on a GPU")
+    if model_config.remat == "offload":
+        notes.append("XLA:CPU has no host offload: remat 'offload' keeps the saved matmul outputs in device memory")
+    return notes
+
+
 def format_table(rows: Sequence[BucketMemory]) -> str:
     gb = lambda n: f"{n / GIB:8.2f}"  # noqa: E731
     head = (f"{'bucket (res, frames×H×W)':<30} {'global':>6} {'/dev':>5} {'tokens':>7} {'compile s':>9} "

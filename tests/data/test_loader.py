@@ -212,3 +212,32 @@ def test_same_size_crop_equals_the_pil_path():
     pil = np.stack([np.asarray(Image.fromarray(f).resize((40, 24), Image.BILINEAR)) for f in frames])
     np.testing.assert_array_equal(resize_crop(frames, 24, 40), pil)
     np.testing.assert_array_equal(resize_crop(frames, 24, 30), pil[:, :, 5:35])
+
+
+class _RecordingTokenizer:
+    """Byte tokenizer that records the process it ran in (picklable, as the grain workers need)."""
+
+    def __init__(self, log):
+        from jaxsora.models.t5 import ByteTokenizer
+
+        self.inner, self.log = ByteTokenizer(16), str(log)
+
+    def __call__(self, texts):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return self.inner(texts)
+
+
+def test_text_inputs_are_made_in_the_loader_workers(dataset, tmp_path):
+    from jaxsora.train.build import TextInputs
+
+    in_process = _take(_loader(dataset / "meta.csv", text_inputs=TextInputs(
+        tokenizer=_RecordingTokenizer(tmp_path / "main"))), 3)
+    workers = _take(_loader(dataset / "meta.csv", num_workers=1, text_inputs=TextInputs(
+        tokenizer=_RecordingTokenizer(tmp_path / "pids"))), 3)
+    pids = {int(p) for p in (tmp_path / "pids").read_text().split()}
+    assert pids and os.getpid() not in pids  # tokenized in the worker process only
+    for a, b in zip(in_process, workers):
+        np.testing.assert_array_equal(a["ids"], b["ids"])
+        np.testing.assert_array_equal(a["text_mask"], b["text_mask"])
+        assert a["ids"].shape == (len(a["text"]), 16) and a["ids"].dtype == np.int32

@@ -241,3 +241,18 @@ def test_config_errors_before_any_work(tmp_path):
         r = subprocess.run(base + extra, env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
         assert r.returncode != 0, extra
         assert needle in (r.stderr + r.stdout), (extra, r.stderr[-2000:])
+
+
+def test_metrics_are_fetched_once_per_log_interval(tmp_path, monkeypatch):
+    """No host sync per step: device → host transfers happen per log interval and per save."""
+    calls = []
+    real = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (calls.append(1), real(x))[1])
+    cfg = small_config(tmp_path, max_steps=12, ckpt_every=1000, mesh=(1, 1, 1))
+    cfg.train.log_every = 4
+    res = _run(cfg)
+    assert res["steps"] == 12
+    # the initial step, the start and end saves, 3 log intervals (the final fetch has nothing left)
+    assert len(calls) <= 6, len(calls)
+    lines = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [ln["step"] for ln in lines] == [4, 8, 12]

@@ -82,8 +82,9 @@ def test_search_bs_writes_a_usable_bucket_config(peaks, tmp_path):
 def test_search_bs_cli(tmp_path):
     out = tmp_path / "bc.json"
     env = {**os.environ, "PYTHONPATH": REPO}
-    r = subprocess.run([sys.executable, "-m", "jaxsora.tools.search_bs", "--config", os.path.join(REPO, "configs",
-                        "demo.py"), "--config.train.device_memory_gib=0.3", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    cmd = [sys.executable, "-m", "jaxsora.tools.search_bs", "--config", os.path.join(REPO, "configs", "demo.py"),
+           "--config.train.device_memory_gib=0.3", "--out", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(out.read_text())["demo32"]
     assert 1 <= found["8"][1] < found["1"][1]  # 8-frame clips fit fewer per device than images
