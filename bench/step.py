@@ -1,38 +1,80 @@
-"""Train-step benchmark: step time, samples/s, tokens/s and MFU of STDiT3, optionally beside the real
-Open-Sora PyTorch step on the same machine.
+"""Train-step benchmark: per shape, step time, tokens/s, TFLOP/s and MFU, compile time and device
+memory of jaxsora's real jitted step (`jaxsora.train.step.TrainStep` on a mesh of the local
+devices); with `--reference`, the real Open-Sora PyTorch step at the same shape, side by side.
 
-    python bench/step.py --model tiny --batch 2 --frames 4 --height 16 --width 16
-    python bench/step.py --model STDiT3-XL/2 --batch 4 --frames 15 --height 30 --width 53 --dtype bfloat16 --remat
-    python bench/step.py --model tiny ... --reference /tmp/refenv/bin/python      # + the PyTorch step, and the ratio
+    python bench/step.py                                         # the listed shapes: tiny, realistic
+    python bench/step.py --shapes tiny,realistic --reference /tmp/refenv/bin/python
+    python bench/step.py --shapes h100                           # XL/2 240p×51 (remat) and 3B/2, bf16
+    python bench/step.py --model STDiT3-XL/2 --latent 15x30x53 --batch 4 --dtype bfloat16 --remat full
 
-Shapes are *latent* sizes (240p × 51 frames = 15 × 30 × 53 latents). The step is the real jitted
-train step (`jaxsora.train.step`: rectified-flow loss, caption dropout, grads, clip, AdamW, EMA)
-fed latents and text states directly, so the frozen VAE/T5 are not timed.
+Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
+  tiny       the `tiny` preset (the parity-test model): depth 2, hidden 64, caption 8×32, 4×16×16, batch 2
+  realistic  depth 4, hidden 384, 6 heads, the real caption (300 tokens × 4096), 144p × 17 frames
+             (5×18×32 latents → 720 tokens per sample), batch 2 — where the step's real costs show
+  h100       STDiT3-XL/2 at 240p × 51 frames (15×30×53), batch 4, bf16, remat full; STDiT3-3B/2 at
+             144p × 51 frames (15×18×32), batch 4, bf16, remat full
 
-FLOP count (forward, per sample; matmuls count 2·m·n·k; N = T·S image tokens, C width, L text
-tokens, d depth, each of the 2d blocks):
-    28·N·C²            qkv (6), self-attn proj (2), cross q (2) and proj (2), MLP (16)
-  + 4·L·C²             cross-attention k/v projection of the text
-  + 4·N·L·C            cross-attention scores and weighted sum
-  + 4·T·S²·C  (spatial blocks) or 4·S·T²·C (temporal blocks)   self-attention scores and sum
-plus the patch embedding 2·N·(p·C_in)·C, the final layer 2·N·C·(p·C_out) and the caption MLP
-2·L·(C_cap·C + C²). Training = 3 × forward (backward = 2 × forward); rematerialization adds a
-forward that MFU does not count (model FLOPs, as in the PaLM convention). Peak: H100 SXM bf16
-dense 989 TFLOP/s (fp32 via TF32: 495), H200 the same; elsewhere pass --peak-tflops.
+The step is fed latents and text states directly (the frozen VAE and T5 are not timed); it is
+otherwise the training step: rectified-flow loss with caption dropout, gradients, clipping, AdamW
+and EMA, the state donated.
+
+FLOPs, two ways (both printed): "model" is the formula below × 3 (forward + backward; the PaLM
+convention, rematerialization not counted); "XLA" is the compiled step's cost analysis (everything
+the executable does, recomputation and optimizer included). MFU uses the model count. The formula
+per sample (matmuls 2·m·n·k; N = T·S image tokens, C width, L text tokens, d depth, 2d blocks):
+    28·N·C²  qkv (6), self-attn proj (2), cross q (2) and proj (2), MLP (16)
+  + 4·L·C²   cross-attention k/v of the text          + 4·N·L·C   cross-attention scores and sum
+  + 4·T·S²·C (spatial blocks) or 4·S·T²·C (temporal)   self-attention scores and sum
+plus the patch embedding, the final layer and the caption MLP. Peak: H100/H200 SXM dense 989
+TFLOP/s in bf16 (495 in fp32 via TF32); elsewhere pass --peak-tflops.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
 PEAK_TFLOPS = {("h100", "bfloat16"): 989.0, ("h100", "float32"): 495.0, ("h200", "bfloat16"): 989.0,
                ("h200", "float32"): 495.0}
+REALISTIC = dict(depth=4, hidden_size=384, num_heads=6, patch_size=(1, 2, 2), in_channels=4, caption_channels=4096,
+                 model_max_length=300)
+
+
+@dataclasses.dataclass
+class Shape:
+    name: str
+    model: str  # preset
+    latent: tuple  # (T, H, W)
+    batch: int
+    dtype: str = "float32"
+    remat: str = "none"
+    scan: bool = False
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+
+SHAPES = {
+    "tiny": [Shape("tiny", "tiny", (4, 16, 16), 2)],
+    "realistic": [Shape("realistic", "STDiT3-XL/2", (5, 18, 32), 2, overrides=REALISTIC)],
+    "h100": [Shape("XL/2 240p×51", "STDiT3-XL/2", (15, 30, 53), 4, "bfloat16", "full"),
+             Shape("3B/2 144p×51", "STDiT3-3B/2", (15, 18, 32), 4, "bfloat16", "full")],
+}
+
+
+def model_config(s: Shape, attention="auto"):
+    from jaxsora.models.presets import get_model_config
+
+    return get_model_config(s.model, compute_dtype=s.dtype, remat=s.remat, scan_blocks=s.scan,
+                            attention_impl=attention, **s.overrides)
 
 
 def forward_flops(cfg, t: int, h: int, w: int, text_len: int) -> float:
@@ -48,55 +90,70 @@ def forward_flops(cfg, t: int, h: int, w: int, text_len: int) -> float:
     return float(cfg.depth * (spatial + temporal) + extra)
 
 
-def bench_jax(args) -> dict:
+def tokens(cfg, latent, batch) -> int:
+    pt, ph, pw = cfg.patch_size
+    t, h, w = latent
+    return batch * -(-t // pt) * -(-h // ph) * -(-w // pw)
+
+
+def inputs(cfg, s: Shape, mesh):
+    """A batch of latents and text states (numpy → global arrays on the mesh)."""
+    from jaxsora.parallel.sharding import host_to_global
+
+    b, L = s.batch, cfg.model_max_length
+    rng = np.random.default_rng(0)
+    t, h, w = s.latent
+    host = dict(
+        video=rng.standard_normal((b, cfg.in_channels, t, h, w)).astype(np.float32),
+        ids=rng.standard_normal((b, L, cfg.caption_channels)).astype(np.float32),
+        text_mask=(np.arange(L)[None] < rng.integers(L // 4, L + 1, (b, 1))).astype(np.int32),
+        fps=np.full((b,), 24.0, np.float32), height=np.full((b,), 8.0 * h, np.float32),
+        width=np.full((b,), 8.0 * w, np.float32), num_frames=np.full((b,), 17.0 * max(1, t // 5), np.float32))
+    return host_to_global(host, mesh)
+
+
+def bench_jax(s: Shape, args) -> dict:
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    import jaxsora  # noqa: F401
-    from jaxsora.models.presets import get_model_config
-    from jaxsora.models.stdit3 import STDiT3
+    import jaxsora.models  # noqa: F401
+    from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.train.optim import lr_schedule, make_optimizer
-    from jaxsora.train.step import init_state, make_train_step
+    from jaxsora.train.state import init_state_sharded, plan_state
+    from jaxsora.train.step import TrainStep, make_train_step
 
-    cfg = get_model_config(args.model, compute_dtype=args.dtype, remat=args.remat, attention_impl=args.attention)
+    cfg = model_config(s, args.attention)
+    mesh = make_mesh(dict(data=-1, fsdp=1, sequence=1))
     optim = dict(lr=1e-4, warmup_steps=0, lr_schedule="constant", weight_decay=0.0, ema_decay=0.99)
     tx = make_optimizer(optim)
-    model = STDiT3(cfg, rngs=nnx.Rngs(0))
-    graphdef, state = init_state(model, tx, 0)
-    del model
-    step = make_train_step(graphdef, tx, encode_video=lambda e, v, k: v, encode_text=lambda e, y, m: y,
-                           scheduler_cfg=dict(sample_method="logit-normal", use_timestep_transform=True),
-                           mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim))
-    b, L = args.batch, cfg.model_max_length
-    rng = np.random.default_rng(0)
-    batch = dict(
-        video=jnp.asarray(rng.standard_normal((b, cfg.in_channels, args.frames, args.height, args.width)), jnp.float32),
-        ids=jnp.asarray(rng.standard_normal((b, L, cfg.caption_channels)), jnp.float32),
-        text_mask=jnp.asarray(np.arange(L)[None] < rng.integers(L // 4, L + 1, (b, 1)), jnp.int32),
-        fps=jnp.full((b,), 24.0), height=jnp.full((b,), 8.0 * args.height), width=jnp.full((b,), 8.0 * args.width),
-        num_frames=jnp.full((b,), 17.0 * max(1, args.frames // 5)),
-    )
-    jit_step = jax.jit(step, donate_argnums=(0,))
-    t0 = time.perf_counter()
-    state, m = jit_step(state, batch)
-    jax.block_until_ready(m["loss"])
-    compile_s = time.perf_counter() - t0
+    plan = plan_state(cfg, tx, 0, mesh, logical_rules(mesh))
+    fn = make_train_step(plan.graphdef, tx, encode_video=lambda e, v, k: v, encode_text=lambda e, y, m: y,
+                         scheduler_cfg=dict(sample_method="logit-normal", use_timestep_transform=True),
+                         mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim))
+    step = TrainStep(fn, plan)
+    batch = inputs(cfg, s, mesh)
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    info = step.compile(spec, {})
+    state = init_state_sharded(plan)
+    for _ in range(2):  # warm-up (allocations, caches)
+        state, m = step(state, batch, {})
+    jax.block_until_ready(m)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        state, m = jit_step(state, batch)
+        state, m = step(state, batch, {})
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
-    flops = 3 * forward_flops(cfg, args.frames, args.height, args.width, L) * b
+    model_flops = 3 * forward_flops(cfg, *s.latent, cfg.model_max_length) * s.batch
+    n_dev = mesh.devices.size
+    xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
     kind = jax.devices()[0].device_kind.lower()
-    peak = args.peak_tflops or next((v for (k, d), v in PEAK_TFLOPS.items() if k in kind and d == args.dtype), None)
-    pt, ph, pw = cfg.patch_size
-    tokens = b * -(-args.frames // pt) * -(-args.height // ph) * -(-args.width // pw)
-    return dict(impl="jaxsora (JAX)", device=jax.devices()[0].device_kind, step_s=dt, compile_s=compile_s,
-                samples_per_s=b / dt, tokens_per_s=tokens / dt, tflops=flops / dt / 1e12,
-                mfu=(flops / dt / 1e12 / peak) if peak else None, loss=float(m["loss"]))
+    peak = args.peak_tflops or next((v for (k, d), v in PEAK_TFLOPS.items() if k in kind and d == s.dtype), None)
+    return dict(impl="jaxsora (JAX)", device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
+                compile_s=info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
+                model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
+                mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
+                peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]))
 
 
 REF_SCRIPT = r'''
@@ -112,19 +169,20 @@ model.eval()  # no caption dropout (CUDA-only upstream); the math of the step is
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, eps=1e-15, weight_decay=0.0)
 rng = np.random.default_rng(0)
 b, L = a["batch"], cfg["model_max_length"]
-x = rng.standard_normal((b, cfg["in_channels"], a["frames"], a["height"], a["width"])).astype(np.float32)
+t, h, w = a["latent"]
+x = rng.standard_normal((b, cfg["in_channels"], t, h, w)).astype(np.float32)
 y = rng.standard_normal((b, 1, L, cfg["caption_channels"])).astype(np.float32)
 mask = (np.arange(L)[None] < rng.integers(L // 4, L + 1, (b, 1))).astype(np.int64)
 def step():
     noise = rng.standard_normal(x.shape).astype(np.float32)
-    t = rng.uniform(0, 1000, b).astype(np.float32)
-    loss, grads = R.training_loss(model, x, noise, t, y, mask, grad=True)
+    tt = rng.uniform(0, 1000, b).astype(np.float32)
+    loss, grads = R.training_loss(model, x, noise, tt, y, mask, grad=True)
     for n, p in model.named_parameters():
         if n in grads:
             p.grad = torch.from_numpy(grads[n])
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
-step()
+step(); step()
 ts = []
 for _ in range(a["steps"]):
     t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
@@ -132,64 +190,75 @@ print("REF " + json.dumps(dict(step_s=float(np.median(ts)), threads=torch.get_nu
 '''
 
 
-def bench_reference(args, cfg) -> dict:
+def bench_reference(s: Shape, args) -> dict:
+    cfg = model_config(s)
     conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, patch_size=list(cfg.patch_size),
                 in_channels=cfg.in_channels, caption_channels=cfg.caption_channels,
                 model_max_length=cfg.model_max_length, qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
-    payload = json.dumps(dict(config=conf, batch=args.batch, frames=args.frames, height=args.height, width=args.width,
-                              steps=args.steps))
-    here = os.path.dirname(os.path.abspath(__file__))
-    harness = os.environ.get("REFHARNESS", os.path.join(here, "..", "..", "shared", "refharness"))
-    env = {**os.environ, "REFHARNESS": harness}
+    payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), steps=args.steps))
+    harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(REF_SCRIPT)
-    out = subprocess.run([args.reference, f.name, payload], capture_output=True, text=True, env=env)
+    out = subprocess.run([args.reference, f.name, payload], capture_output=True, text=True,
+                         env={**os.environ, "REFHARNESS": harness})
     os.unlink(f.name)
     if out.returncode:
         raise RuntimeError(f"reference step failed:\n{out.stderr[-3000:]}")
     r = json.loads(out.stdout.split("REF ", 1)[1])
-    b = args.batch
-    pt, ph, pw = cfg.patch_size
-    tokens = b * -(-args.frames // pt) * -(-args.height // ph) * -(-args.width // pw)
-    flops = 3 * forward_flops(cfg, args.frames, args.height, args.width, cfg.model_max_length) * b
-    return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} threads)", device="cpu", step_s=r["step_s"],
-                compile_s=None, samples_per_s=b / r["step_s"], tokens_per_s=tokens / r["step_s"],
-                tflops=flops / r["step_s"] / 1e12, mfu=None, loss=None)
+    model_flops = 3 * forward_flops(cfg, *s.latent, cfg.model_max_length) * s.batch
+    return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=r["step_s"],
+                compile_s=None, tokens_per_s=tokens(cfg, s.latent, s.batch) / r["step_s"],
+                model_tflops=model_flops / r["step_s"] / 1e12, xla_tflops=None, mfu=None, peak_gib=None, loss=None)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset: tiny, demo, STDiT3-XL/2, STDiT3-3B/2")
+    ap.add_argument("--shapes", default="tiny,realistic", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--model", help="a custom shape instead: preset name")
+    ap.add_argument("--latent", default="4x16x16", help="custom shape: latent T×H×W")
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--frames", type=int, default=4, help="latent frames")
-    ap.add_argument("--height", type=int, default=16, help="latent height")
-    ap.add_argument("--width", type=int, default=16, help="latent width")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--remat", default="none")
+    ap.add_argument("--scan", action="store_true", help="model.scan_blocks")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"])
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (auto on H100/H200)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (auto on H100/H200)")
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time the PyTorch step")
     args = ap.parse_args(argv)
+    if args.model:
+        shapes = [Shape("custom", args.model, tuple(int(v) for v in args.latent.split("x")), args.batch, args.dtype,
+                        args.remat, args.scan)]
+    else:
+        shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
+    results = []
+    for s in shapes:
+        rows = [bench_jax(s, args)]
+        if args.reference:
+            rows.append(bench_reference(s, args))
+        results.append((s, rows))
 
-    import jaxsora  # noqa: F401
-    from jaxsora.models.presets import get_model_config
+    def fmt(v, f):
+        return "-" if v is None else format(v, f)
 
-    rows = [bench_jax(args)]
-    if args.reference:
-        rows.append(bench_reference(args, get_model_config(args.model)))
-    print(f"\nSTDiT3 {args.model}: batch {args.batch}, latents {args.frames}×{args.height}×{args.width}, {args.dtype}"
-          f"{', remat' if args.remat else ''}")
-    print(f"{'implementation':<40} {'device':<22} {'step s':>9} {'samples/s':>10} {'tokens/s':>11} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'compile s':>9}")
-    for r in rows:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        comp = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
-        print(f"{r['impl']:<40} {r['device']:<22} {r['step_s']:>9.4f} {r['samples_per_s']:>10.2f} "
-              f"{r['tokens_per_s']:>11.0f} {r['tflops']:>8.3f} {mfu:>6} {comp:>9}")
-    if len(rows) == 2:
-        print(f"speed ratio (PyTorch step time / jaxsora step time): {rows[1]['step_s'] / rows[0]['step_s']:.2f}×")
-    return rows
+    head = (f"{'shape':<14} {'implementation':<32} {'device':<16} {'step s':>8} {'tokens/s':>9} {'model TF/s':>10} "
+            f"{'XLA TF/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8}")
+    print()
+    print(head)
+    print("-" * len(head))
+    for s, rows in results:
+        for r in rows:
+            print(f"{s.name:<14} {r['impl']:<32} {r['device'][:16]:<16} {r['step_s']:>8.4f} {r['tokens_per_s']:>9.0f} "
+                  f"{r['model_tflops']:>10.3f} {fmt(r['xla_tflops'], '9.3f'):>9} "
+                  f"{fmt(r['mfu'] and 100 * r['mfu'], '5.1f'):>6} {fmt(r['compile_s'], '9.1f'):>9} "
+                  f"{fmt(r['peak_gib'], '8.2f'):>8}")
+        if len(rows) == 2:
+            print(f"{s.name:<14} jaxsora step time / Open-Sora step time: {rows[0]['step_s'] / rows[1]['step_s']:.2f}")
+    for s, _ in results:
+        cfg = model_config(s)
+        print(f"  {s.name}: {s.model} depth {cfg.depth} hidden {cfg.hidden_size} heads {cfg.num_heads}, latents "
+              f"{'×'.join(map(str, s.latent))}, batch {s.batch}, caption {cfg.model_max_length}×"
+              f"{cfg.caption_channels}, {s.dtype}, remat {s.remat}{', scan' if s.scan else ''}")
+    return results
 
 
 if __name__ == "__main__":
