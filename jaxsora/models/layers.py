@@ -26,6 +26,8 @@ NORM_EPS = 1e-6
 FREQ_EMBED_DIM = 256
 # Open-Sora 1.2: max_period of the timestep sinusoid, RoPE theta and the 2D pos-emb base.
 SINUSOID_BASE = 10000.0
+# The logit bias of padding keys: float32's lowest, so exp() of it is exactly 0 (logits are f32).
+MASKED_LOGIT = float(np.finfo(np.float32).min)
 
 
 class Buffer(nnx.Variable):
@@ -150,10 +152,12 @@ def rope_interleaved(x: jax.Array, freqs: jax.Array) -> jax.Array:
     pos = jnp.arange(n, dtype=jnp.float32)
     ang = pos[:, None] * freqs.astype(jnp.float32)[None, :]  # [N, Dh/2]
     ang = jnp.repeat(ang, 2, axis=-1)  # [N, Dh] interleaved
+    # rotate_half(x)·sin = swap(x)·(sin with the sign of each pair's first element flipped): a
+    # reversed view of each pair and a [N, Dh] table, so everything fuses into one elementwise op.
+    sin_signed = jnp.sin(ang) * jnp.tile(jnp.array([-1.0, 1.0], jnp.float32), ang.shape[-1] // 2)
     xf = x.astype(jnp.float32)
-    pairs = xf.reshape(*xf.shape[:-1], -1, 2)
-    rot = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(xf.shape)
-    return (xf * jnp.cos(ang) + rot * jnp.sin(ang)).astype(x.dtype)
+    swapped = xf.reshape(*xf.shape[:-1], -1, 2)[..., ::-1].reshape(xf.shape)  # (a, b) → (b, a)
+    return (xf * jnp.cos(ang) + swapped * sin_signed).astype(x.dtype)
 
 
 def resolve_attention_impl(impl: str, dtype, head_dim: int) -> Optional[str]:
@@ -198,9 +202,10 @@ def attention(
         logits = jnp.einsum("bqhd,bkhd->bhqk", q * jnp.asarray(scale, q.dtype), k,
                             preferred_element_type=jnp.float32)
         if kv_lengths is not None:
+            # An additive key bias: padding keys get exactly zero weight, the backward needs no
+            # mask, and a row without any valid key stays finite (uniform; zeroed below).
             valid = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]  # [B, Nk]
-            logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
-            logits = jnp.where(jnp.any(valid, -1)[:, None, None, None], logits, 0.0)
+            logits = logits + jnp.where(valid, 0.0, MASKED_LOGIT)[:, None, None, :]
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     if kv_lengths is not None:

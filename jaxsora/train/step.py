@@ -89,15 +89,17 @@ def make_train_step(
         loss, grads = loss_and_grads(state, batch, encoders)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        params = keep(new_params, state.params)
-        opt_state = keep(opt_state, state.opt_state)
-        ema = keep(ema_update(state.ema, params, ema_decay), state.ema)
-        new_state = state.replace(step=state.step + finite.astype(jnp.int32), params=params,
-                                  opt_state=opt_state, ema=ema)
-        metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=weight_norm(params),
+
+        def apply(state):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                 ema=ema_update(state.ema, params, ema_decay))
+
+        # A non-finite step leaves the state as it was: one branch runs (no per-array select over
+        # params, moments and EMA), and the donated buffers pass through.
+        new_state = jax.lax.cond(finite, apply, lambda state: state, state)
+        metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=weight_norm(new_state.params),
                        lr=lr_fn(state.step), nonfinite=(~finite).astype(jnp.int32), step=new_state.step)
         return new_state, metrics
 
