@@ -47,12 +47,14 @@ def get_config():
     c.vae = mlc.ConfigDict(dict(kind="opensora", path="pretrained_models/OpenSora-VAE-v1.2", dtype="bfloat16",
                                 downsample=(1, 8, 8)))
     # kind "t5" uses path/dtype; kind "tiny" (random weights, byte tokenizer, no files) uses the sizes.
+    # T5 weights in bf16, as Open-Sora casts the frozen encoder (train.py: dtype=bf16): 9.5 GB, not 19.
     c.text_encoder = mlc.ConfigDict(dict(kind="t5", path="pretrained_models/t5-v1_1-xxl", model_max_length=300,
-                                         dtype="bfloat16", d_model=64, num_layers=2, num_heads=2, d_ff=128, seed=0))
+                                         dtype="bfloat16", param_dtype="bfloat16", d_model=64, num_layers=2,
+                                         num_heads=2, d_ff=128, seed=0))
     c.data = mlc.ConfigDict(dict(
         table="",                       # --data-path
         bucket_config=STAGE1_BUCKETS,
-        bucket_config_file="",          # a JSON bucket config replacing bucket_config (python -m jaxsora.tools.search_bs)
+        bucket_config_file="",          # JSON replacing bucket_config (python -m jaxsora.tools.search_bs)
         batch_size_override=0,          # > 0: every bucket's per-device batch (smoke tests of a stage config)
         text_cache="",                  # a data_tools.precompute folder: cached T5 states instead of T5 in the step
         resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's
@@ -73,7 +75,9 @@ def get_config():
         min_lr=0.0, max_lr=0.0, cooldown_steps=0, anneal_strategy="cos",
         ema_decay=0.99,
     ))
-    c.mesh = mlc.ConfigDict(dict(data=-1, fsdp=1, sequence=1))
+    # Params, grads, EMA and Adam moments sharded over every device (Open-Sora 1.2 runs ColossalAI
+    # ZeRO-2 over all ranks). Many nodes: --config.mesh.data=<nodes> --config.mesh.fsdp=<GPUs per node>.
+    c.mesh = mlc.ConfigDict(dict(data=1, fsdp=-1, sequence=1))
     c.train = mlc.ConfigDict(dict(
         outputs="outputs", experiment="stdit3-xl2", seed=42,
         max_steps=100_000, ckpt_every=200, keep_ckpts=3, log_every=10,

@@ -56,6 +56,8 @@ def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
         for a in ((axes,) if isinstance(axes, str) else axes):
             size *= mesh.shape[a]
         fixed.append(axes if dim % size == 0 else None)
+    while fixed and fixed[-1] is None:  # canonical form (what XLA reports back): no trailing Nones
+        fixed.pop()
     return PartitionSpec(*fixed)
 
 

@@ -39,7 +39,9 @@ def dry_run(setup, loader, outdir: str) -> dict:
     if jax.process_index() == 0:
         print("\n".join(lines), flush=True)
     limit = memory.device_memory_limit(config)
-    shapes = [(b, gb) for b, nb, gb, _ in plan_rows if nb > 0]
+    # every bucket the table's rows fall into, also those too small for a full batch in this epoch:
+    # the table is for planning (a sample of the real data, a new machine, another mesh)
+    shapes = [(b, gb) for b, nb, gb, rows in plan_rows if rows > 0]
     rows = memory.compile_buckets(setup, shapes, limit=limit, threads=memory.compile_threads(config),
                                   progress=jax.process_index() == 0)
     table = memory.format_table(rows)

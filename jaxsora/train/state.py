@@ -73,6 +73,7 @@ class StatePlan:
     graphdef: Any
     abstract: TrainState  # ShapeDtypeStructs (inside nnx Variables, with their logical names)
     shardings: TrainState  # a NamedSharding per leaf
+    traced_init: Any = None  # the traced initialization (`jax.stages.Traced`), compiled only if used
 
     @property
     def abstract_sharded(self) -> TrainState:
@@ -89,28 +90,27 @@ class StatePlan:
 
 def plan_state(config: STDiT3Config, tx: optax.GradientTransformation, seed: int, mesh: jax.sharding.Mesh,
                rules) -> StatePlan:
-    """Trace the model's construction once (nothing is allocated) and derive the shardings."""
+    """Trace the initialization once: it yields the graphdef, the abstract state and — from the
+    logical names each parameter carries — the shardings, which the traced program applies to its
+    own outputs. Nothing is allocated; `init_state_sharded` compiles and runs that same trace."""
     box = {}
 
-    def build():
+    def init():
         graphdef, params, frozen = split_model(STDiT3(config, rngs=nnx.Rngs(seed)))
-        box["graphdef"] = graphdef
-        return _state_from(params, frozen, tx, seed)
+        state = _state_from(params, frozen, tx, seed)
+        box["graphdef"], box["shardings"] = graphdef, tree_shardings(state, mesh, rules)
+        return constrain_tree(state, box["shardings"])
 
     with jax.set_mesh(mesh):
-        abstract = jax.eval_shape(build)
-    return StatePlan(config, tx, seed, mesh, rules, box["graphdef"], abstract,
-                     tree_shardings(abstract, mesh, rules))
+        traced = jax.jit(init).trace()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced.out_info)
+    return StatePlan(config, tx, seed, mesh, rules, box["graphdef"], abstract, box["shardings"], traced)
 
 
 def init_state_sharded(plan: StatePlan) -> TrainState:
-    """A freshly initialized state, each array computed directly in its shard."""
-    def init():
-        graphdef, params, frozen = split_model(plan._model())
-        return constrain_tree(_state_from(params, frozen, plan.tx, plan.seed), plan.shardings)
-
+    """A freshly initialized state, each array computed directly in its shard (the plan's trace)."""
     with jax.set_mesh(plan.mesh):
-        return jax.jit(init, out_shardings=plan.shardings)()
+        return plan.traced_init.lower().compile()()
 
 
 def model_variables(tree) -> dict:

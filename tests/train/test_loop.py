@@ -256,3 +256,9 @@ def test_metrics_are_fetched_once_per_log_interval(tmp_path, monkeypatch):
     assert len(calls) <= 6, len(calls)
     lines = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
     assert [ln["step"] for ln in lines] == [4, 8, 12]
+
+
+def test_profile_flag_writes_a_trace(tmp_path):
+    _run(small_config(tmp_path, max_steps=4, ckpt_every=100, mesh=(1, 1, 1)), RunOptions(profile="1:3"))
+    traces = [f for _, _, fs in os.walk(tmp_path / "run" / "profile") for f in fs if f.endswith(".xplane.pb")]
+    assert traces
