@@ -23,7 +23,7 @@ import jax
 from jaxsora.train import memory
 from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
-from jaxsora.train.step import global_batch
+from jaxsora.train.step import batch_key, global_batch
 from jaxsora.train.supervise import StopRequested, Watchdog
 
 # Steps dispatched ahead of the device. Waiting for step k-2 before dispatching step k never
@@ -123,6 +123,18 @@ def _compile_plan(setup, loader) -> list:
     return rows
 
 
+def _compile_late(setup, batch, host):
+    """A bucket shape not in the plan compiled before step 0 (first met in a later epoch)."""
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    info = setup.step.compile(spec, setup.encoders.weights)
+    limit = memory.device_memory_limit(setup.config)
+    if _is_main():
+        print(f"[jaxsora] compiled a new bucket shape {host.get('bucket')} in {info.seconds:.1f}s: "
+              f"{info.peak_bytes / memory.GIB:.2f} GiB per device"
+              + (f" of {limit / memory.GIB:.2f}" + ("" if info.peak_bytes <= limit else " — MAY NOT FIT")
+                 if limit else ""), flush=True)
+
+
 def _initial_state(setup, loader, opts: RunOptions):
     """(state, wandb run id) for the resume mode; every array is created in its shards."""
     if opts.load:
@@ -205,6 +217,8 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
                 host = next(it)
                 t_data = time.monotonic() - t0
                 batch = global_batch(host, mesh)
+                if batch_key(batch) not in setup.step.executables:
+                    _compile_late(setup, batch, host)
                 state, metrics = setup.step(state, batch, enc)
                 in_flight.append(metrics["loss"])
                 if len(in_flight) > MAX_IN_FLIGHT:

@@ -59,26 +59,26 @@ def compile_threads(config) -> int:
 
 def compile_buckets(setup, buckets: Sequence[tuple], *, limit: Optional[int], threads: int = 1,
                     progress: bool = True) -> list[BucketMemory]:
-    """buckets: [(bucket (res, T, H, W), global batch)]. Lowering is sequential (tracing holds
-    the GIL); the XLA compiles run side by side in `threads` threads."""
+    """buckets: [(bucket (res, T, H, W), global batch)]. The main thread lowers one bucket after
+    another (tracing holds the GIL) and hands each to a pool where the XLA compiles run side by
+    side in `threads` threads."""
     from tqdm import tqdm
 
     dp = setup.data_parallel_size
-    jobs = []
-    for bucket, gb in buckets:
-        spec = setup.batch_spec(tuple(bucket[1:]), gb)
-        jobs.append((bucket, gb, spec, setup.step.lower(spec, setup.encoders.weights)))
-    bar = tqdm(total=len(jobs), desc="compiling the train step per bucket", unit="bucket",
-               disable=not progress or len(jobs) < 2)
+    bar = tqdm(total=len(buckets), desc="compiling the train step per bucket", unit="bucket",
+               disable=not progress or not buckets)
 
-    def one(job):
-        bucket, gb, spec, lowered = job
+    def compile_one(bucket, gb, spec, lowered):
         info = setup.step.compile(spec, setup.encoders.weights, lowered=lowered)
         bar.update(1)
         return BucketMemory(tuple(bucket), gb, gb // dp, setup.tokens_per_sample(bucket[1:]), info, limit)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        out = list(pool.map(one, jobs))
+        futures = []
+        for bucket, gb in buckets:
+            spec = setup.batch_spec(tuple(bucket[1:]), gb)
+            futures.append(pool.submit(compile_one, bucket, gb, spec, setup.step.lower(spec, setup.encoders.weights)))
+        out = [f.result() for f in futures]
     bar.close()
     return out
 
