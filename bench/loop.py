@@ -1,9 +1,10 @@
 """The training loop's own cost: time per step of `jaxsora.train.loop.train` with metrics fetched
 and logged every step (`train.log_every=1`) against every 1000 steps (logging effectively off).
 
-    python bench/loop.py [--steps 40] [--devices 1] [--model tiny]
+    python bench/loop.py [--steps 80] [--devices 1] [--model demo] [--size 8x32x32]
 
-Each setting runs the real loop twice (N/4 and N steps; an in-memory loader hands out uint8
+Each setting runs the real loop three times (a warm-up that fills the compilation cache, then N/4
+and N steps; an in-memory loader hands out uint8
 batches) and the time per step is the difference over the difference in steps, so start-up,
 compiles and saves cancel out. The loop never waits for a step it just dispatched (at most
 `MAX_IN_FLIGHT` are queued) and fetches metrics once per log interval; the two columns should be
@@ -66,16 +67,18 @@ def run(steps: int, log_every: int, out: str, args) -> float:
     c.train.update(dict(outputs=out, experiment=f"log{log_every}-{steps}", max_steps=steps, ckpt_every=10**6,
                         log_every=log_every))
     t0 = time.perf_counter()
-    train(c, RunOptions(), loader_factory=lambda cfg, dp, ti: MemoryLoader(dp, args.batch, ti))
+    size = tuple(int(v) for v in args.size.split("x"))
+    train(c, RunOptions(), loader_factory=lambda cfg, dp, ti: MemoryLoader(dp, args.batch, ti, size))
     return time.perf_counter() - t0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--batch", type=int, default=4, help="per device")
+    ap.add_argument("--batch", type=int, default=2, help="per device")
+    ap.add_argument("--size", default="8x32x32", help="pixel frames×H×W of the batches")
     args = ap.parse_args(argv)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -87,6 +90,7 @@ def main(argv=None):
     per_step = {}
     for log_every in (1, 1000):
         with redirect_stdout(io.StringIO()):
+            run(2, log_every, out, args)  # warm-up: the compile lands in the persistent cache
             short = run(args.steps // 4, log_every, out, args)
             long = run(args.steps, log_every, out, args)
         per_step[log_every] = (long - short) / (args.steps - args.steps // 4)
