@@ -12,7 +12,8 @@ import sys
 
 
 def _config_root_on_path(argv):
-    """Config files import `configs.base`: put the folder holding `configs/` on sys.path."""
+    """Config files import `configs.base`: put the folder holding `configs/` on sys.path. A config
+    file that does not exist is a one-line error (exit 2), not ml_collections' traceback."""
     for i, a in enumerate(argv):
         if a.startswith("--config="):
             path = a.split("=", 1)[1]
@@ -21,6 +22,9 @@ def _config_root_on_path(argv):
         else:
             path = None
         if path:
+            if not os.path.isfile(path.split(":")[0]):
+                print(f"config error: no such config file: {path.split(':')[0]}", file=sys.stderr)
+                sys.exit(2)
             root = os.path.dirname(os.path.dirname(os.path.abspath(path.split(":")[0])))
             if root not in sys.path:
                 sys.path.insert(0, root)
