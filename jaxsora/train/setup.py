@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -41,7 +41,6 @@ class RunSetup:
     model_config: STDiT3Config
     plan: StatePlan
     step: TrainStep
-    lr_fn: Callable
 
     @property
     def data_parallel_size(self) -> int:
@@ -76,7 +75,7 @@ def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
                               encode_text=encoders.encode_text, scheduler_cfg=plain(config.scheduler),
                               mask_ratios=plain(config.mask_ratios) or None, ema_decay=float(config.optim.ema_decay),
                               lr_fn=lr_schedule(config.optim))
-    return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan), lr_schedule(config.optim))
+    return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan))
 
 
 def default_loader(config, dp: int, text_inputs):

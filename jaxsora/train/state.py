@@ -55,12 +55,6 @@ def _state_from(params, frozen, tx: optax.GradientTransformation, seed: int) -> 
     )
 
 
-def init_state(model: STDiT3, tx: optax.GradientTransformation, seed: int) -> tuple[Any, TrainState]:
-    """(graphdef, TrainState) of an existing model (single device; tests, benchmarks)."""
-    graphdef, params, frozen = split_model(model)
-    return graphdef, _state_from(params, frozen, tx, seed)
-
-
 @dataclasses.dataclass
 class StatePlan:
     """The train state of `config` on `mesh`, before any array exists."""
