@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 
 def compile_variant(model: str, latent, batch: int, dtype: str, remat: str, scan: bool, overrides: dict):
-    import jax
 
     import step as bench_step
     from jaxsora.parallel.mesh import logical_rules, make_mesh
+    from jaxsora.parallel.sharding import abstract_of
     from jaxsora.train.optim import lr_schedule, make_optimizer
     from jaxsora.train.state import plan_state
     from jaxsora.train.step import TrainStep, make_train_step
@@ -39,7 +39,7 @@ def compile_variant(model: str, latent, batch: int, dtype: str, remat: str, scan
                          scheduler_cfg=dict(sample_method="logit-normal", use_timestep_transform=True),
                          mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim))
     batch = bench_step.inputs(cfg, s, mesh)  # latents and text states: small beside the model
-    batch_spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+    batch_spec = abstract_of(batch)
     return TrainStep(fn, plan).compile(batch_spec, {}, keep=False)
 
 

@@ -117,6 +117,7 @@ def bench_jax(s: Shape, args) -> dict:
 
     import jaxsora.models  # noqa: F401
     from jaxsora.parallel.mesh import logical_rules, make_mesh
+    from jaxsora.parallel.sharding import abstract_of
     from jaxsora.train.optim import lr_schedule, make_optimizer
     from jaxsora.train.state import init_state_sharded, plan_state
     from jaxsora.train.step import TrainStep, make_train_step
@@ -131,7 +132,7 @@ def bench_jax(s: Shape, args) -> dict:
                          mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim))
     step = TrainStep(fn, plan)
     batch = inputs(cfg, s, mesh)
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    spec = abstract_of(batch)
     info = step.compile(spec, {})
     state = init_state_sharded(plan)
     for _ in range(2):  # warm-up (allocations, caches)

@@ -18,32 +18,9 @@ import os
 from typing import Optional
 
 import jax
-import numpy as np
 
-from jaxsora.convert.torch import LoadReport, from_torch_layout, torch_key, torch_shape
-from jaxsora.io.weights import LazyTensor, open_state_dict
-
-
-def _reparameterized(sd: dict[str, LazyTensor], model_max_length: int) -> dict[str, LazyTensor]:
-    """The reference loader's renames and fixes (spec §1.11), lazily: only the two small tensors
-    whose values change are read here."""
-    pixart = any(k.startswith("blocks.") for k in sd) and not any(k.startswith("spatial_blocks.") for k in sd)
-    out = {}
-    for k, v in sd.items():
-        if k in ("pos_embed", "pos_embed_temporal"):
-            continue
-        out[("spatial_" + k) if pixart and k.startswith("blocks.") else k] = v
-    w = out.get("x_embedder.proj.weight")
-    if w is not None and w.ndim == 4:  # PixArt's Conv2d patch kernel → Conv3d with a time axis of 1
-        arr = np.asarray(w[...])[:, :, None]
-        out["x_embedder.proj.weight"] = LazyTensor(arr.shape, arr.dtype, arr.__getitem__)
-    y = out.get("y_embedder.y_embedding")
-    if y is not None and y.shape[0] != model_max_length:  # repeat the last row, or truncate
-        arr = np.asarray(y[...])
-        n = model_max_length
-        arr = arr[:n] if arr.shape[0] > n else np.concatenate([arr, np.repeat(arr[-1:], n - arr.shape[0], 0)])
-        out["y_embedder.y_embedding"] = LazyTensor(arr.shape, arr.dtype, arr.__getitem__)
-    return out
+from jaxsora.convert.torch import LoadReport, from_torch_layout, reparameterize, torch_key, torch_shape
+from jaxsora.io.weights import open_state_dict
 
 
 def _torch_index(path: tuple, index: tuple) -> tuple:
@@ -55,7 +32,8 @@ def _torch_index(path: tuple, index: tuple) -> tuple:
     return (index[4], index[3], index[0], index[1], index[2])  # Conv3d [kt, kh, kw, in, out] ↔ [out, in, kt, kh, kw]
 
 
-def _from_lazy(path: tuple, tensor: LazyTensor, target: jax.ShapeDtypeStruct) -> jax.Array:
+def _from_lazy(path: tuple, tensor, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """tensor: a lazy tensor or numpy array in the PyTorch layout; each device's block is read alone."""
     def shard(index):
         index = tuple(index) + (slice(None),) * (len(target.shape) - len(index))
         block = tensor[_torch_index(path, index)]
@@ -67,7 +45,7 @@ def _from_lazy(path: tuple, tensor: LazyTensor, target: jax.ShapeDtypeStruct) ->
 def read_torch_weights(path: str, targets: dict, model_max_length: int) -> tuple[dict, LoadReport]:
     """{NNX path: sharded jax.Array} of the `targets` an Open-Sora / PixArt-Σ file holds, each
     read shard by shard, and the report (mapped / initialized = absent from the file / ignored)."""
-    sd = _reparameterized(open_state_dict(path), model_max_length)
+    sd = reparameterize(open_state_dict(path), model_max_length)
     out, initialized = {}, []
     for p, target in targets.items():
         key = torch_key(p)

@@ -25,11 +25,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxsora.io.weights import TORCH_EXTS, open_state_dict, unwrap
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
-
-TORCH_EXTS = (".pth", ".pt", ".bin", ".ckpt")
-# Wrappers Open-Sora / PixArt / ColossalAI / DDP put around a state dict.
-WRAPPER_KEYS = ("ema", "model", "state_dict", "module")
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,80 +160,48 @@ def _import_torch(path):
 
 
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
-    """Read a checkpoint file into {key: numpy float32 array} (bf16/fp16 upcast to float32)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
+    """Read a weights file into {key: numpy array}, unwrapped (`jaxsora.io.weights`), with
+    bf16/fp16 upcast to float32."""
+    def full(t):
+        a = np.asarray(t[...])
+        return a.astype(np.float32) if a.dtype in (np.float16, ml_dtypes.bfloat16) else a
 
-        return {k: np.asarray(v) for k, v in load_file(path).items()}
-    if path.endswith(TORCH_EXTS):
-        torch = _import_torch(path)
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
-        return _to_numpy_tree(obj, torch)
-    raise ValueError(f"{path}: unknown checkpoint format (expected .safetensors, .pth, .pt, .bin)")
-
-
-def _to_numpy_tree(obj, torch):
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        if t.dtype in (torch.bfloat16, torch.float16):
-            t = t.float()
-        return t.numpy()
-    if isinstance(obj, dict):
-        return {k: _to_numpy_tree(v, torch) for k, v in obj.items()}
-    return obj
+    return {k: full(v) for k, v in open_state_dict(path).items()}
 
 
 def unwrap_state_dict(sd: dict) -> dict[str, np.ndarray]:
     """Strip `{ema|model|state_dict|module: ...}` wrappers and `module.` key prefixes."""
-    for _ in range(4):
-        if any(isinstance(v, np.ndarray) for v in sd.values()):
-            break
-        for w in WRAPPER_KEYS:
-            if isinstance(sd.get(w), dict):
-                sd = sd[w]
-                break
-        else:
-            break
-    out = {}
-    for k, v in sd.items():
-        if not isinstance(v, np.ndarray):
-            continue
-        while k.startswith("module."):
-            k = k[len("module."):]
-        out[k] = v
-    return out
+    return unwrap(sd, lambda v: isinstance(v, np.ndarray))
 
 
 def is_pixart(sd: dict[str, np.ndarray]) -> bool:
     return any(k.startswith("blocks.") for k in sd) and not any(k.startswith("spatial_blocks.") for k in sd)
 
 
-def reparameterize(sd: dict[str, np.ndarray], config: STDiT3Config) -> dict[str, np.ndarray]:
+def reparameterize(sd: dict, model_max_length: int) -> dict:
     """What the reference's `load_checkpoint` does before loading (spec §1.11):
 
     PixArt-Σ: `blocks.i.*` → `spatial_blocks.i.*`; a 4-D `x_embedder.proj.weight` gets a time axis;
     every file: `pos_embed`/`pos_embed_temporal` dropped; `y_embedder.y_embedding` padded by
     repeating its last row, or truncated, to `model_max_length` rows.
+
+    Values may be numpy arrays or lazy tensors (`jaxsora.io.weights`): only the two tensors whose
+    values change are read (they come back as numpy), everything else is passed through.
     """
     sd = dict(sd)
     if is_pixart(sd):
         sd = {("spatial_" + k if k.startswith("blocks.") else k): v for k, v in sd.items()}
     w = sd.get("x_embedder.proj.weight")
     if w is not None and w.ndim == 4:
-        sd["x_embedder.proj.weight"] = w[:, :, None]
+        sd["x_embedder.proj.weight"] = np.asarray(w[...])[:, :, None]
     for k in ("pos_embed", "pos_embed_temporal"):
         sd.pop(k, None)
     y = sd.get("y_embedder.y_embedding")
-    n = config.model_max_length
+    n = model_max_length
     if y is not None and y.shape[0] != n:
-        sd["y_embedder.y_embedding"] = (
-            y[:n] if y.shape[0] > n else np.concatenate([y, np.repeat(y[-1:], n - y.shape[0], 0)], 0)
-        )
+        y = np.asarray(y[...])
+        pad = np.repeat(y[-1:], max(0, n - y.shape[0]), 0)
+        sd["y_embedder.y_embedding"] = y[:n] if y.shape[0] > n else np.concatenate([y, pad])
     return sd
 
 
@@ -266,7 +231,7 @@ def _abbrev(keys: Iterable[str], n: int = 12) -> str:
 def load_torch_state_dict(model: STDiT3, sd: dict[str, np.ndarray], *, strict: bool = False) -> LoadReport:
     """Copy reference-named weights into `model` in place. Keys absent from `sd` keep the model's
     (reference-style) initialization; a wrong shape is a ValueError naming the key."""
-    sd = reparameterize(unwrap_state_dict(sd), model.config)
+    sd = reparameterize(unwrap_state_dict(sd), model.config.model_max_length)
     mapped, initialized = [], []
     used = set()
     for path, var in _flat_variables(model):

@@ -124,7 +124,7 @@ def _load_torch(path: str):
         raise ValueError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
 
 
-def _unwrap(tree: Mapping[str, Any], is_tensor) -> dict:
+def unwrap(tree: Mapping[str, Any], is_tensor) -> dict:
     """Strip `{ema|model|state_dict|module: ...}` wrappers and `module.` key prefixes."""
     for _ in range(4):
         if any(is_tensor(v) for v in tree.values()):
@@ -150,13 +150,13 @@ def open_state_dict(path: str) -> dict[str, LazyTensor]:
         raise FileNotFoundError(f"weights file not found: {path}")
     if path.endswith(".safetensors"):
         f = SafetensorsFile(path)
-        return _unwrap({k: f[k] for k in f}, lambda v: isinstance(v, LazyTensor))
+        return unwrap({k: f[k] for k in f}, lambda v: isinstance(v, LazyTensor))
     if path.endswith(TORCH_EXTS):
         import torch
 
         obj = _load_torch(path)
         if not isinstance(obj, Mapping):
             raise ValueError(f"{path}: expected a state dict, found a {type(obj).__name__}")
-        flat = _unwrap(obj, lambda v: isinstance(v, torch.Tensor))
+        flat = unwrap(obj, lambda v: isinstance(v, torch.Tensor))
         return {k: _torch_lazy(v, k) for k, v in flat.items()}
     raise ValueError(f"{path}: unknown weights format (expected .safetensors, .pth, .pt, .bin or .ckpt)")

@@ -51,6 +51,11 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def abstract_of(tree: Any) -> Any:
+    """ShapeDtypeStructs with the shardings of a tree of concrete arrays (what a compile needs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 def constrain_tree(tree: Any, shardings: Any) -> Any:
     """`with_sharding_constraint` on every leaf (inside jit: initialize straight into the shards)."""
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)

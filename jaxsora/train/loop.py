@@ -20,6 +20,7 @@ from typing import Optional
 
 import jax
 
+from jaxsora.parallel.sharding import abstract_of
 from jaxsora.train import memory
 from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
@@ -125,7 +126,7 @@ def _compile_plan(setup, loader) -> list:
 
 def _compile_late(setup, batch, host):
     """A bucket shape not in the plan compiled before step 0 (first met in a later epoch)."""
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    spec = abstract_of(batch)
     info = setup.step.compile(spec, setup.encoders.weights)
     limit = memory.device_memory_limit(setup.config)
     if _is_main():

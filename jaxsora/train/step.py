@@ -26,7 +26,7 @@ from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
 from jaxsora.diffusion.masks import MaskGenerator
 from jaxsora.parallel.constraints import logical_rules
-from jaxsora.parallel.sharding import batch_sharding, host_to_global
+from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
 from jaxsora.train.optim import ema_update
 from jaxsora.train.state import StatePlan, TrainState
 
@@ -227,8 +227,7 @@ class TrainStep:
         key = batch_key(batch)
         exe = self.executables.get(key)
         if exe is None:
-            self.compile(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch),
-                         encoders)
+            self.compile(abstract_of(batch), encoders)
             exe = self.executables[key]
         with jax.set_mesh(self.mesh):
             return exe(state, batch, encoders)
