@@ -62,7 +62,7 @@ def get_config():
         num_workers=8,                  # grain worker processes decoding batches (0: in the train process)
         decode_threads=1,               # grain read threads per process (batches decoded side by side)
         prefetch=2,                     # batches buffered ahead, per worker
-        index_dir="",                   # table index folder ("": temp); reused while the table is unchanged
+        index_dir="",                   # table index folder ("": <run>/table_index); reused while the table is unchanged
         seed=42,
     ))
     c.scheduler = mlc.ConfigDict(dict(
@@ -81,7 +81,9 @@ def get_config():
     c.train = mlc.ConfigDict(dict(
         outputs="outputs", experiment="stdit3-xl2", seed=42,
         max_steps=100_000, ckpt_every=200, keep_ckpts=3, log_every=10,
-        max_nonfinite_steps=5, watchdog_factor=10.0, watchdog_min_seconds=300.0,
+        max_nonfinite_steps=5,          # rejected steps in a row before the run stops
+        max_param_norm_growth=2.0,      # reject an update growing the parameter norm more than this (0: off)
+        watchdog_factor=10.0, watchdog_min_seconds=300.0,
         async_checkpoint=True, compilation_cache=True,
         check_memory=True,              # compile every bucket before step 0; refuse buckets that do not fit
         device_memory_gib=0.0,          # > 0: plan for this much per device (e.g. 80 for an H100 from a CPU dry run)

@@ -2,7 +2,11 @@
 
 For each row's `path` (relative to the input table's folder, or absolute): num_frames, height,
 width, aspect_ratio (= H/W), resolution (= H·W) and fps, read with PyAV (videos: frames counted
-by decoding, as the reference's datautil does; images: PIL, 1 frame, fps NaN). Files that cannot be
+by decoding, as the reference's datautil does; images: PIL, 1 frame, fps NaN — an animated image
+too, which the loader reads as its first frame). Height and width are as displayed: a clip whose
+display matrix turns it a quarter turn (phone clips shot upright: PyAV's `VideoFrame.rotation`
+±90) or a photo whose EXIF orientation does, has them swapped against the stored frames, as
+`jaxsora.data.video.load_sample` turns its frames upright. Files that cannot be
 read are listed in `<output>.unreadable.csv` (path and reason) and left out of the output — never
 a crash. Parallel over processes, with a progress bar.
 """
@@ -17,7 +21,7 @@ import sys
 
 import pandas as pd
 
-from jaxsora.data.video import is_video
+from jaxsora.data.video import is_video, quarter_turns
 
 
 def probe(path: str) -> dict:
@@ -33,17 +37,25 @@ def probe(path: str) -> dict:
             with av.open(path) as c:
                 s = c.streams.video[0]
                 fps = float(s.average_rate) if s.average_rate else math.nan
-                n, h, w = 0, s.codec_context.height, s.codec_context.width
-                for _ in c.decode(s):
+                n, h, w, rotation = 0, s.codec_context.height, s.codec_context.width, 0.0
+                for frame in c.decode(s):
+                    if n == 0:
+                        rotation = float(getattr(frame, "rotation", 0) or 0)
                     n += 1
             if n == 0:
                 return {"error": "no decodable frame"}
+            if quarter_turns(rotation) % 2:
+                h, w = w, h
             return {"num_frames": n, "height": h, "width": w, "fps": fps}
         from PIL import Image
 
         with Image.open(path) as im:
+            im.verify()  # must come right after open; the image is unusable afterwards
+        with Image.open(path) as im:
             w, h = im.size
-            im.verify()
+            # EXIF orientations 5-8 include a quarter turn (TIFF/EXIF 2.3, tag 0x0112)
+            if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):
+                h, w = w, h
         return {"num_frames": 1, "height": h, "width": w, "fps": math.nan}
     except Exception as e:  # corrupt / truncated / unsupported
         return {"error": f"{type(e).__name__}: {e}"}

@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jaxsora.errors import BadInput, UnknownKey, MissingFile, OutputExists
+
 
 def load_encoder_config(spec: str) -> dict:
     spec = spec.strip()
@@ -26,9 +28,9 @@ def load_encoder_config(spec: str) -> dict:
         try:
             return json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--text-encoder is not valid JSON: {e}") from None
+            raise BadInput(f"--text-encoder is not valid JSON: {e}") from None
     if not os.path.exists(spec):
-        raise FileNotFoundError(f"--text-encoder: no such file {spec!r} (give JSON, a .json or a config .py)")
+        raise MissingFile(f"--text-encoder: no such file {spec!r} (give JSON, a .json or a config .py)")
     if spec.endswith(".json"):
         with open(spec) as f:
             return json.load(f)
@@ -37,31 +39,31 @@ def load_encoder_config(spec: str) -> dict:
         mod = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(mod)
         if not hasattr(mod, "get_config"):
-            raise AttributeError(f"{spec}: no get_config()")
+            raise BadInput(f"{spec}: no get_config()")
         cfg = mod.get_config()
         if "text_encoder" in cfg:
             cfg = cfg["text_encoder"]
         return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-    raise ValueError(f"--text-encoder {spec!r}: expected JSON, a .json file or a .py config")
+    raise BadInput(f"--text-encoder {spec!r}: expected JSON, a .json file or a .py config")
 
 
 def read_captions(table: str, column: str = "text") -> list[str]:
     import pandas as pd
 
     if not os.path.exists(table):
-        raise FileNotFoundError(f"table {table!r} does not exist")
+        raise MissingFile(f"table {table!r} does not exist")
     if table.endswith(".parquet"):
         df = pd.read_parquet(table, columns=None)
     elif table.endswith(".csv"):
         df = pd.read_csv(table, keep_default_na=False, dtype={column: str})
     else:
-        raise ValueError(f"table {table!r}: expected .csv or .parquet")
+        raise BadInput(f"table {table!r}: expected .csv or .parquet")
     if column not in df.columns:
-        raise KeyError(f"table {table!r} has no column {column!r} (columns: {list(df.columns)})")
+        raise UnknownKey(f"table {table!r} has no column {column!r} (columns: {list(df.columns)})")
     texts = df[column].tolist()
     for i, t in enumerate(texts):
         if not isinstance(t, str):
-            raise TypeError(f"table {table!r}: row {i} column {column!r} is {t!r}, not a caption string")
+            raise BadInput(f"table {table!r}: row {i} column {column!r} is {t!r}, not a caption string")
     return texts
 
 
@@ -90,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     from jaxsora.models.t5 import build_text_encoder
 
     if os.path.exists(os.path.join(args.out, MANIFEST)) and not args.overwrite:
-        raise FileExistsError(f"{args.out} already holds a cache ({MANIFEST}); pass --overwrite to replace it")
+        raise OutputExists(f"{args.out} already holds a cache ({MANIFEST}); pass --overwrite to replace it")
     texts = read_captions(args.table, args.text_column)
     enc_cfg = load_encoder_config(args.text_encoder)
     encoder = build_text_encoder(enc_cfg)
@@ -115,4 +117,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxsora.errors import run_cli
+
+    run_cli("data_tools.precompute", lambda: (main(), 0)[1])

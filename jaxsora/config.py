@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
+from jaxsora.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     pass
 
 
@@ -21,11 +23,81 @@ def _need_file(path, what):
         raise ConfigError(f"{what}: no such file or folder: {path}")
 
 
+# The documented range of every numeric knob: key → (low, high, note). `low`/`high` are
+# inclusive bounds (None: unbounded); the note says what the ends mean. Checked before any work.
+RANGES = {
+    "train.max_steps": (0, None, "optimizer steps of the run; 0 writes the initial checkpoint only"),
+    "train.ckpt_every": (1, None, "steps between checkpoints"),
+    "train.log_every": (1, None, "steps between console/metrics lines"),
+    "train.keep_ckpts": (0, None, "newest checkpoints kept; 0 keeps all"),
+    "train.max_nonfinite_steps": (1, None, "non-finite steps in a row before the run stops"),
+    "train.max_param_norm_growth": (1.0, None, "an update growing the parameter norm by more is rejected; "
+                                              "0 turns the check off"),
+    "train.watchdog_factor": (1.0, None, "a step or batch wait this many times the median is a stall"),
+    "train.watchdog_min_seconds": (1.0, None, "never report a stall shorter than this"),
+    "train.device_memory_gib": (0.0, None, "0: the device's own limit"),
+    "train.compile_threads": (0, None, "0: min(8, CPUs)"),
+    "train.seed": (0, None, ""),
+    "optim.lr": (0.0, None, "must be > 0"),
+    "optim.warmup_steps": (0, None, ""),
+    "optim.cooldown_steps": (0, None, ""),
+    "optim.min_lr": (0.0, None, ""),
+    "optim.max_lr": (0.0, None, ""),
+    "optim.eps": (0.0, None, "must be > 0"),
+    "optim.weight_decay": (0.0, None, ""),
+    "optim.grad_clip": (0.0, None, "0: no clipping"),
+    "optim.ema_decay": (0.0, 1.0, ""),
+    "data.num_workers": (0, None, "0: decode in the training process"),
+    "data.decode_threads": (1, None, ""),
+    "data.prefetch": (1, None, ""),
+    "data.frame_interval": (1, None, ""),
+    "data.batch_size_override": (0, None, "0: the bucket config's batch sizes"),
+    "data.seed": (0, None, ""),
+    "model.class_dropout_prob": (0.0, 1.0, ""),
+    "model.remat_blocks": (-1, None, "-1: all block pairs"),
+    "scheduler.scale": (0.0, None, "must be > 0"),
+    "scheduler.transform_scale": (0.0, None, "must be > 0"),
+}
+# Knobs where the low end itself is meaningless (a zero learning rate, eps or scale).
+_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale"}
+# 0 is allowed besides the range (an "off" switch).
+_ZERO_MEANS_OFF = {"train.max_param_norm_growth"}
+
+
+def _get(config, key):
+    node = config
+    for part in key.split("."):
+        if part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def check_ranges(config) -> None:
+    """Every numeric knob of RANGES that the config has: a number within its range."""
+    for key, (low, high, note) in RANGES.items():
+        value = _get(config, key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if key in _ZERO_MEANS_OFF and value == 0:
+            continue
+        too_low = low is not None and (value <= low if key in _EXCLUSIVE_LOW else value < low)
+        too_high = high is not None and value > high
+        if too_low or too_high or value != value:  # value != value: NaN
+            lo = "" if low is None else (f"> {low}" if key in _EXCLUSIVE_LOW else f">= {low}")
+            hi = "" if high is None else f"<= {high}"
+            rng = " and ".join(x for x in (lo, hi) if x)
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rng}" + (f" ({note})" if note else ""))
+
+
 def validate_config(config, opts=None) -> None:
     """Raise ConfigError naming the first problem."""
     for group in ("model", "vae", "text_encoder", "data", "scheduler", "optim", "mesh", "train"):
         if group not in config:
             raise ConfigError(f"config has no '{group}' group")
+    check_ranges(config)
 
     _need_file(config.data.get("table"), "data.table (--data-path)")
     dry = bool(opts is not None and opts.dry_run)
@@ -38,6 +110,8 @@ def validate_config(config, opts=None) -> None:
                     raise
                 print(f"[jaxsora] dry run: {e} (needed to train)", file=sys.stderr)
     if opts is not None:
+        if getattr(opts, "step", None) is not None and not opts.load:
+            raise ConfigError("--step N picks the checkpoint step of --load DIR; give --load too")
         if opts.load and opts.ckpt_path:
             raise ConfigError("give either --load (resume everything) or --ckpt-path (weights only), not both")
         if opts.start_from_scratch and not opts.load:
@@ -45,6 +119,7 @@ def validate_config(config, opts=None) -> None:
         for flag, path in (("--load", opts.load), ("--ckpt-path", opts.ckpt_path)):
             if path and not os.path.exists(path):
                 raise ConfigError(f"{flag}: no such file or folder: {path}")
+        _check_sources(opts)
 
     for axis in ("data", "fsdp", "sequence"):
         v = config.mesh.get(axis, 1)
@@ -65,8 +140,21 @@ def validate_config(config, opts=None) -> None:
         lr_schedule(config.optim)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"optim: {e}") from e
-    if not 0.0 <= float(config.optim.ema_decay) <= 1.0:
-        raise ConfigError(f"optim.ema_decay must lie in [0, 1], got {config.optim.ema_decay}")
+
+    betas = tuple(config.optim.get("betas", (0.9, 0.999)))
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas!r}")
+    wcfg = config.get("wandb")
+    if wcfg is not None and wcfg.get("enabled", False):
+        if wcfg.get("mode", "online") not in ("online", "offline", "disabled"):
+            raise ConfigError(f"wandb.mode must be online, offline or disabled, got {wcfg.get('mode')!r}")
+        try:
+            import wandb  # noqa: F401
+        except ImportError as e:
+            from jaxsora.errors import MissingDependency
+
+            raise MissingDependency("wandb.enabled is set but wandb is not installed: pip install 'jaxsora[wandb]' "
+                                    "(or --config.wandb.enabled=False)") from e
 
     from jaxsora.diffusion.masks import MaskGenerator
 
@@ -100,6 +188,24 @@ def validate_config(config, opts=None) -> None:
         buckets.validate_bucket_config(config.data.bucket_config, extra)
     except ValueError as e:
         raise ConfigError(f"data.bucket_config: {e}") from e
+
+
+def _check_sources(opts) -> None:
+    """--load / --ckpt-path point at something of the right kind (before anything compiles)."""
+    if opts.load:
+        from jaxsora.train.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(opts.load, getattr(opts, "step", None))
+    if opts.ckpt_path and os.path.isfile(opts.ckpt_path):
+        from jaxsora.io.weights import WEIGHT_EXTS
+
+        if not opts.ckpt_path.endswith(WEIGHT_EXTS):
+            raise ConfigError(f"--ckpt-path {opts.ckpt_path}: unknown weights format (expected a jaxsora checkpoint "
+                              f"folder or one of {', '.join(WEIGHT_EXTS)})")
+    elif opts.ckpt_path:
+        from jaxsora.convert.native import resolve_step_dir
+
+        resolve_step_dir(opts.ckpt_path)
 
 
 def load_bucket_config_file(config) -> None:

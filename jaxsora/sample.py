@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxsora.errors import BadInput, MissingFile, run_cli
+
 
 def to_uint8_frames(video: np.ndarray) -> np.ndarray:
     """[3, T, H, W] in [-1, 1] → [T, H, W, 3] uint8 (clamped, as the reference's save_sample)."""
@@ -63,6 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     prompts = list(args.prompt)
     if args.prompt_file:
+        if not os.path.isfile(args.prompt_file):
+            raise MissingFile(f"--prompt-file: no such file {args.prompt_file}")
         with open(args.prompt_file) as f:
             prompts += [ln.strip() for ln in f if ln.strip()]
     if not prompts:
@@ -86,6 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     width = args.width or sample_cfg.get("width", 64)
     fps = args.fps or sample_cfg.get("fps", 24)
 
+    if not isinstance(cfg, dict) or "vae" not in cfg or "text_encoder" not in cfg:
+        raise BadInput(f"{step_dir} has no run config naming the VAE and text encoder (a checkpoint converted from "
+                       "PyTorch?); sample from a training checkpoint")
     vae = build_vae_from_config(cfg["vae"])
     text_encoder = build_text_encoder_from_config(cfg["text_encoder"])
     y, mask = text_encoder.encode(prompts)
@@ -118,4 +125,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("jaxsora.sample", main))

@@ -7,12 +7,14 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from jaxsora.errors import BadInput, run_cli
+
 
 def _parse_overrides(items):
     out = {}
     for item in items or []:
         if "=" not in item:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
+            raise BadInput(f"--set expects key=value, got {item!r}")
         k, v = item.split("=", 1)
         try:
             import ast
@@ -70,4 +72,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("jaxsora.convert", main))

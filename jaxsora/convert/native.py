@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxsora.errors import MissingFile
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 
 
@@ -47,16 +48,16 @@ def resolve_step_dir(path: str, step: Optional[int] = None) -> str:
     """A step folder (holding `state/`) from a manager root or a step folder."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+        raise MissingFile(f"checkpoint folder not found: {path}")
     if os.path.isdir(os.path.join(path, "state")):
         return path
     steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d, "state")))
     if not steps:
-        raise FileNotFoundError(f"{path} holds no jaxsora checkpoint (no <step>/state folder)")
+        raise MissingFile(f"{path} holds no jaxsora checkpoint (no <step>/state folder)")
     if step is None:
         return os.path.join(path, str(steps[-1]))
     if step not in steps:
-        raise FileNotFoundError(f"{path} has no step {step}; it has {steps}")
+        raise MissingFile(f"{path} has no step {step}; it has {steps}")
     return os.path.join(path, str(step))
 
 
@@ -66,7 +67,7 @@ def read_config(step_dir: str) -> dict:
         if os.path.isfile(f):
             with open(f) as fh:
                 return json.load(fh)
-    raise FileNotFoundError(f"{step_dir} has no config item")
+    raise MissingFile(f"{step_dir} has no config item")
 
 
 def _flatten(tree, prefix=()):

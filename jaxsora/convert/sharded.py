@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 
 from jaxsora.convert.torch import LoadReport, from_torch_layout, reparameterize, torch_key, torch_shape
+from jaxsora.errors import WeightsError
 from jaxsora.io.weights import open_state_dict
 
 
@@ -54,7 +55,7 @@ def read_torch_weights(path: str, targets: dict, model_max_length: int) -> tuple
             continue
         tensor = sd[key]
         if tuple(tensor.shape) != torch_shape(p, target.shape):
-            raise ValueError(f"{path}: shape mismatch for {key}: the file has {tuple(tensor.shape)}, "
+            raise WeightsError(f"{path}: shape mismatch for {key}: the file has {tuple(tensor.shape)}, "
                              f"the model expects {torch_shape(p, target.shape)}")
         out[p] = _from_lazy(p, tensor, target)
     mapped = [torch_key(p) for p in out]
@@ -65,7 +66,7 @@ def _checkpoint_subtrees(meta_tree: dict, ema: bool) -> list[str]:
     """Which subtrees of a stored `state` hold the model variables, in lookup order."""
     first = "ema" if ema else "params"
     if first not in meta_tree:
-        raise ValueError(f"the checkpoint's state has no {first!r} entry (it has {sorted(meta_tree)})")
+        raise WeightsError(f"the checkpoint's state has no {first!r} entry (it has {sorted(meta_tree)})")
     return [first] + [k for k in ("frozen", "buffers", "model_state") if k in meta_tree]
 
 
@@ -104,7 +105,7 @@ def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Op
             missing.append(".".join(names))
             continue
         if tuple(leaf.shape) != tuple(target.shape):
-            raise ValueError(f"{step_dir}: shape mismatch for {'.'.join(names)}: stored {tuple(leaf.shape)}, "
+            raise WeightsError(f"{step_dir}: shape mismatch for {'.'.join(names)}: stored {tuple(leaf.shape)}, "
                              f"the model expects {tuple(target.shape)}")
         node_i, node_a = item, restore_args
         for part in keys[:-1]:
@@ -113,7 +114,7 @@ def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Op
         node_a[keys[-1]] = ocp.ArrayRestoreArgs(sharding=target.sharding, dtype=target.dtype)
         where[p] = keys
     if missing:
-        raise ValueError(f"{step_dir}: missing {len(missing)} model weights, e.g. {missing[:5]}")
+        raise WeightsError(f"{step_dir}: missing {len(missing)} model weights, e.g. {missing[:5]}")
     restored = ckptr.restore(os.path.join(step_dir, "state"),
                              args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     out = {}

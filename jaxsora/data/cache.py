@@ -47,6 +47,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from jaxsora.errors import BadInput, MissingFile, UserError
+
 MANIFEST = "manifest.json"
 FORMAT = "jaxsora.text_states/1"
 DATASET_NAME = "text_states"
@@ -56,7 +58,7 @@ FILENAME_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
 STORE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-class StaleCacheError(ValueError):
+class StaleCacheError(UserError, ValueError):
     """The table's caption for a row differs from the one the cache was computed from."""
 
 
@@ -222,11 +224,11 @@ def write_cache(
 
     n = len(texts)
     if n == 0:
-        raise ValueError("the table has no rows to encode")
+        raise BadInput("the table has no rows to encode")
     if not 1 <= num_shards <= n:
-        raise ValueError(f"num_shards must be in [1, {n}] (rows), got {num_shards}")
+        raise BadInput(f"num_shards must be in [1, {n}] (rows), got {num_shards}")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise BadInput(f"batch_size must be >= 1, got {batch_size}")
     if store_dtype is None:
         store_dtype = "bfloat16" if str(encoder_config.get("dtype", "float32")) == "bfloat16" else "float32"
     sdt = np_dtype(store_dtype)
@@ -335,13 +337,13 @@ class TextStateCache:
         self.dir = cache_dir
         path = os.path.join(cache_dir, MANIFEST)
         if not os.path.exists(path):
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{cache_dir}: no {MANIFEST} (not a text-state cache, or precompute did not finish)"
             )
         with open(path) as f:
             self.manifest = json.load(f)
         if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+            raise BadInput(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         for name in self.manifest["shards"]:
             if not os.path.exists(os.path.join(cache_dir, name)):
                 raise FileNotFoundError(f"{cache_dir}: shard {name!r} listed in {MANIFEST} is missing")

@@ -9,20 +9,39 @@ are grain's `mp_prefetch` processes (spawned; each reads element k ≡ w mod num
 returns them in order), so the batches do not depend on the worker count. The train loop
 assembles global arrays with `jax.make_array_from_process_local_data`.
 
-A missing, zero-length, truncated or corrupt file is skipped with a counted warning and replaced
-by another row of the same bucket, chosen deterministically from (seed, epoch, batch, slot), so
-the batch stays full, the run goes on, and a resume sees the same replacement.
+A row that cannot give what its bucket needs is skipped with a one-line warning naming the reason,
+and replaced by another row of the same bucket chosen from (seed, epoch, batch, slot, attempt), so
+the batch stays full, the run goes on, and a resume replays the same skips and replacements.
+Reasons (`video.py` has the decoding ones): ``missing``, ``unreadable`` (zero-length, truncated,
+corrupt), ``too_short`` (fewer frames than T·frame_interval), ``image_in_video_bucket``,
+``animated_image``, ``empty_caption`` (an empty or blank table caption: a data error — caption
+dropout for classifier-free guidance happens in the model, not in the table) and ``bad_shape``
+(a decoded sample not of the bucket's [3, T, H, W]; a guard, so a batch always stacks). Each host
+batch carries `skipped` {reason: count}; `VideoLoader` sums them in `skip_counts`, which its
+state saves and restores. After `MAX_REPLACEMENTS` failed replacements in a row the bucket is
+taken as broken and the loader raises.
+
+Nothing is left behind: each grain worker exits on its own when the process that started it dies
+(kill -9 included; see `_ExitWithParent`); the shared-memory names of the arrays a batch arrives
+in are unlinked as soon as the batch is received (the memory itself lives as long as the arrays),
+so batches still referenced at exit leak nothing; and a table index in a temporary folder is
+removed at exit or, after a kill, by the next index build (`tables.py`).
 
 Host batch: video [b, 3, T, H, W] uint8 (→ [-1, 1] by `video.to_model_range`, in the train step);
 text [b] str; with `text_inputs`, also ids and text_mask (see `VideoLoader`); fps/height/width [b]
 float32; num_frames [b] int32; row [b] int64 (table rows); epoch, index (batches of the epoch done
-after this one), bucket (res, T, H, W).
+after this one), bucket (res, T, H, W). (The dataset's elements also carry `skipped` and
+`epoch_batches`, which `VideoLoader.__iter__` takes out.)
 """
 from __future__ import annotations
 
 import collections
+import faulthandler
+import signal
+import os
 import sys
 import threading
+import time
 from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
@@ -34,6 +53,8 @@ from jaxsora.data.tables import TableIndex
 from jaxsora.data.video import DecodeError, load_sample
 
 MAX_REPLACEMENTS = 16
+# How often a grain worker checks that the process that started it is alive (seconds).
+PARENT_POLL_S = 0.5
 # Element count of the (unbounded) plan dataset; grain wants a length.
 _ENDLESS = 1 << 50
 
@@ -101,21 +122,31 @@ class _PlanSource:
         raise AssertionError("unreachable")
 
     def _decode_slot(self, epoch: int, index: int, slot: int, pb) -> tuple:
+        """→ (row, video [3, T, H, W] uint8, fps, [skip reasons]) for one slot of planned batch `pb`."""
         t, h, w = pb.size
         row = int(pb.rows[slot])
+        skips = []
         for attempt in range(MAX_REPLACEMENTS + 1):
             rng = np.random.default_rng([self.seed, epoch, row, 1])  # the temporal crop of this row
             try:
+                if not self.table.text(row).strip():
+                    raise DecodeError(f"empty caption for {self.table.path(row)}", "empty_caption")
                 video, fps = load_sample(self.table.path(row), t, h, w, frame_interval=self.frame_interval,
                                          rng=rng, num_frames_hint=int(self.table.num_frames[row]))
-                return row, video, fps, attempt
+                if video.shape != (3, t, h, w) or video.dtype != np.uint8:
+                    raise DecodeError(f"{self.table.path(row)} decoded to {video.dtype} {video.shape}, "
+                                      f"not uint8 {(3, t, h, w)}", "bad_shape")
+                return row, video, fps, skips
             except DecodeError as e:
-                print(f"[jaxsora.data] skipped row {row}: {e}", file=sys.stderr, flush=True)
+                skips.append(e.reason)
+                msg = " ".join(str(e).split())  # one line
+                print(f"[jaxsora.data] skipped row {row} ({e.reason}): {msg}", file=sys.stderr, flush=True)
                 same_bucket = self.planner.bucket_rows(epoch, pb.bucket)
                 pick = np.random.default_rng([self.seed, epoch, index, slot, attempt + 1])
                 row = int(same_bucket[pick.integers(len(same_bucket))])
-        raise DecodeError(f"{MAX_REPLACEMENTS} replacement samples in bucket {pb.bucket} failed to decode; "
-                          "check the dataset (python -m data_tools.meta lists unreadable files)")
+        raise DecodeError(f"{MAX_REPLACEMENTS} replacement samples in bucket {pb.bucket} failed "
+                          f"({dict(collections.Counter(skips))}); check the dataset "
+                          "(python -m data_tools.meta lists unreadable files)")
 
     def __getitem__(self, k: int) -> dict:
         epoch, index, n = self.position(int(k))
@@ -127,13 +158,53 @@ class _PlanSource:
         texts = [self.table.text(r) for r in rows]
         t, h, w = pb.size
         text_inputs = self.text_inputs(texts, rows) if self.text_inputs is not None else {}
+        skipped = collections.Counter(reason for r in results for reason in r[3])
         return dict(
             text_inputs, video=np.stack([r[1] for r in results]), text=np.array(texts, object),
             fps=np.array([r[2] for r in results], np.float32), height=np.full(len(rows), h, np.float32),
             width=np.full(len(rows), w, np.float32), num_frames=np.full(len(rows), t, np.int32), row=rows,
-            skipped=np.int64(sum(r[3] for r in results)), epoch=epoch, index=index + 1, epoch_batches=n,
-            bucket=(pb.bucket[0], t, h, w),
+            skipped={reason: int(c) for reason, c in sorted(skipped.items())}, epoch=epoch, index=index + 1,
+            epoch_batches=n, bucket=(pb.bucket[0], t, h, w),
         )
+
+
+class _ExitWithParent:
+    """grain `worker_init_fn`: a daemon thread in the worker that ends it (`os._exit`) as soon as
+    the process that started it is gone — its parent pid changes when the parent dies, kill -9
+    included. Grain's workers are daemonic, so a normal exit already stops them; a killed trainer
+    left them running (blocked on their full output queues). Polling rather than Linux's
+    PR_SET_PDEATHSIG: that signal fires when the *thread* that started the child exits, and grain
+    starts its workers from its own prefetch threads, which end and are replaced while the trainer
+    lives (it would kill live workers); polling is also portable. What the worker had in shared
+    memory is reclaimed by multiprocessing's resource tracker, which exits after the last process
+    holding it.
+
+    It also registers faulthandler for SIGUSR1, so that the trainer's watchdog can ask a stalled
+    loader's workers for their stacks (`train.supervise.Watchdog`)."""
+
+    def __init__(self, parent_pid: int):
+        self.parent_pid = int(parent_pid)
+
+    def __call__(self, worker_index: int = 0, worker_count: int = 1) -> None:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        threading.Thread(target=self._watch, name="jaxsora-exit-with-parent", daemon=True).start()
+
+    def _watch(self) -> None:
+        while os.getppid() == self.parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+
+def _unlink_shared_memory(batch: dict) -> None:
+    """Remove the /dev/shm names of the batch's grain shared-memory arrays now (the mapping stays
+    valid until the arrays are freed). Grain otherwise unlinks them when the arrays are garbage
+    collected, which does not happen for those still referenced at interpreter exit: the resource
+    tracker then warns about leaked shared_memory objects."""
+    for value in batch.values():
+        shm = getattr(value, "shm", None)
+        if shm is not None and getattr(value, "_unlink_on_del", False):
+            shm.unlink()  # also unregisters it from the resource tracker
+            value._unlink_on_del = False  # grain's flag: its __del__ then only unmaps
 
 
 class VideoLoader:
@@ -147,6 +218,9 @@ class VideoLoader:
     text_inputs: captions → the step's text inputs (token ids or cached text states), called where
     the batch is decoded (`train.build.TextInputs`; picklable), so the training thread does no
     tokenization or cache reads.
+
+    skip_counts: {reason: count} of the skips in the batches yielded so far (a bad row met twice
+    counts twice), saved in `state()`; `num_skipped` is their sum.
     """
 
     def __init__(self, table: str, bucket_config: Mapping, *, seed: int, data_parallel_size: int,
@@ -171,7 +245,7 @@ class VideoLoader:
             self.seed, self.dp, self.frame_interval)
         self.epoch = 0
         self.index = 0  # batches completed in the epoch (after the last one yielded)
-        self.num_skipped = 0
+        self.skip_counts: dict[str, int] = {}  # reason → skips in the batches yielded so far
         self.text_inputs = text_inputs
         self._planner = plan_lib.Planner((self.table.num_frames, self.table.height, self.table.width),
                                          self.buckets, seed=self.seed, dp=self.dp, frame_interval=self.frame_interval)
@@ -179,6 +253,11 @@ class VideoLoader:
     @property
     def num_rows(self) -> int:
         return len(self.table)
+
+    @property
+    def num_skipped(self) -> int:
+        """Skips so far, all reasons (`skip_counts` has them per reason)."""
+        return sum(self.skip_counts.values())
 
     # ---- plan ---------------------------------------------------------------------------------
     def plan(self, epoch: int) -> list:
@@ -202,14 +281,20 @@ class VideoLoader:
 
     # ---- state --------------------------------------------------------------------------------
     def state(self) -> dict:
-        return dict(epoch=self.epoch, index=self.index, fingerprint=self.fingerprint)
+        """{epoch, index, fingerprint, skipped: {reason: count}} (JSON-serializable)."""
+        return dict(epoch=self.epoch, index=self.index, fingerprint=self.fingerprint,
+                    skipped=dict(sorted(self.skip_counts.items())))
 
     def restore(self, state: dict, reset: bool = False) -> None:
+        """Continue from `state` (refused if the data setup changed, see `plan.check_state`), or with
+        `reset`, from the start with zero counts. States saved before the counts existed restore
+        with zero counts."""
         if reset:
-            self.epoch, self.index = 0, 0
+            self.epoch, self.index, self.skip_counts = 0, 0, {}
             return
         plan_lib.check_state(state, self.fingerprint)
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.skip_counts = {str(r): int(c) for r, c in dict(state.get("skipped") or {}).items()}
 
     # ---- iteration ----------------------------------------------------------------------------
     def dataset(self):
@@ -229,14 +314,17 @@ class VideoLoader:
             if not flags.FLAGS.is_parsed():  # grain reads its absl flags when it starts workers; outside
                 flags.FLAGS.mark_as_parsed()  # an absl app (tests, notebooks) their defaults apply
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers,
-                                                             per_worker_buffer_size=self.prefetch))
+                                                             per_worker_buffer_size=self.prefetch),
+                                worker_init_fn=_ExitWithParent(os.getpid()))
         return ds
 
     def __iter__(self) -> Iterator[dict]:
         it = iter(self.dataset())
         try:
             for batch in it:
-                self.num_skipped += int(batch.pop("skipped"))
+                _unlink_shared_memory(batch)
+                for reason, count in batch.pop("skipped").items():
+                    self.skip_counts[reason] = self.skip_counts.get(reason, 0) + int(count)
                 n = int(batch.pop("epoch_batches"))
                 self.epoch, self.index = int(batch["epoch"]), int(batch["index"])
                 if self.index >= n:

@@ -23,8 +23,10 @@ from collections import OrderedDict
 
 import numpy as np
 
+from jaxsora.errors import UserError
 
-class DataStateMismatch(ValueError):
+
+class DataStateMismatch(UserError, ValueError):
     """Raised when a checkpoint's data position does not fit the current data setup."""
 
 

@@ -8,14 +8,25 @@ one UTF-8 blob each plus offsets — that every process (and every grain worker)
 bucket planner reads the size columns, a worker reads only the paths and captions of its rows,
 and the OS shares the pages between processes. Millions of rows cost a few hundred MB of page
 cache, not a copy of a DataFrame per worker.
+
+Where the index lives: a given folder (the train loop passes `<run folder>/table_index`) is reused
+while the table files are unchanged (names, sizes, modification times) and rebuilt otherwise.
+Without one, a temporary folder `jaxsora-table-<pid>-*` is made, removed at normal exit, and held
+by an exclusive `flock` on its `owner.lock` for the life of the process; every temporary build
+first removes the `jaxsora-table-*` folders whose lock is free (their owner died, kill -9
+included). The lock, not the pid, is the test, so a reused pid keeps no stale folder alive and
+no live folder is taken; the pid in the name is for people. (Folders named by older versions,
+without a pid, are left alone: nothing tells whether their owner still runs.)
 """
 from __future__ import annotations
 
 import atexit
+import fcntl
 import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Optional, Sequence
@@ -23,13 +34,18 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from jaxsora.errors import UserError
+
 REQUIRED = ("path", "text", "num_frames", "height", "width")
 OPTIONAL = ("aspect_ratio", "resolution", "fps")
 SIZE_COLUMNS = ("num_frames", "height", "width")
 INDEX_VERSION = 1
+TEMP_PREFIX = "jaxsora-table-"
+OWNER_LOCK = "owner.lock"
+_owned_temp_dirs: dict = {}  # temporary index folder → its open, locked owner.lock
 
 
-class TableError(ValueError):
+class TableError(UserError, ValueError):
     pass
 
 
@@ -46,6 +62,38 @@ def table_files(table: str) -> list[str]:
         if not os.path.isfile(f):
             raise TableError(f"table not found: {f}")
     return files
+
+
+def check_table(table: str) -> int:
+    """Cheap checks before a run takes its folder: every file exists and reads, has the required
+    columns, and the table has at least one row. Reads headers and row counts only (parquet
+    metadata; a CSV is scanned without parsing its values). Returns the row count."""
+    rows = 0
+    for f in table_files(table):
+        try:
+            if f.endswith(".parquet"):
+                import pyarrow.parquet as pq
+
+                meta = pq.ParquetFile(f)
+                cols, n = meta.schema_arrow.names, meta.metadata.num_rows
+            else:
+                cols = list(pd.read_csv(f, nrows=0).columns)
+                n = _csv_rows(f)
+        except Exception as e:
+            raise TableError(f"cannot read table {f}: {type(e).__name__}: {e}") from e
+        missing = [c for c in REQUIRED if c not in cols]
+        if missing:
+            raise TableError(f"table {f} lacks column(s) {missing}; it has {cols}")
+        rows += n
+    if rows == 0:
+        raise TableError(f"the table {table} has no rows")
+    return rows
+
+
+def _csv_rows(path: str) -> int:
+    """Data rows of a CSV (quoted newlines in captions counted correctly)."""
+    return sum(len(chunk) for chunk in pd.read_csv(path, usecols=[0], chunksize=1 << 18, dtype=str,
+                                                   keep_default_na=False))
 
 
 def read_table_file(path: str) -> pd.DataFrame:
@@ -92,6 +140,66 @@ def _common_folder(paths: Sequence[str]) -> str:
     """The deepest folder holding every path (normalized absolute paths)."""
     root = os.path.commonpath(paths)
     return os.path.dirname(root) if all(p == root for p in paths) else root
+
+
+def _stale_temp_dir(path: str) -> bool:
+    """Whether a `jaxsora-table-<pid>-*` folder's owner is gone (its lock is free, or it died
+    before taking it)."""
+    m = re.fullmatch(re.escape(TEMP_PREFIX) + r"(\d+)-.*", os.path.basename(path))
+    if m is None or path in _owned_temp_dirs:
+        return False
+    try:
+        fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY)
+    except FileNotFoundError:  # made but not yet (or never) locked: stale only if its process is gone
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, another user's
+            pass
+        return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held: the owner runs
+        return False
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_temp_dirs(root: Optional[str] = None) -> list[str]:
+    """Remove the temporary index folders of dead processes under `root` (default: the system
+    temp folder). → the folders removed."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(root or tempfile.gettempdir(), TEMP_PREFIX + "*"))):
+        if os.path.isdir(path) and _stale_temp_dir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _make_temp_dir() -> str:
+    """A fresh `jaxsora-table-<pid>-*` folder, locked for this process and removed at its exit."""
+    sweep_stale_temp_dirs()
+    directory = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+    lock = os.path.join(directory, OWNER_LOCK)
+    fd = os.open(lock + ".tmp", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
+    os.replace(lock + ".tmp", lock)  # appears already locked: a sweep never sees it free while we live
+    _owned_temp_dirs[directory] = fd
+    atexit.register(remove_temp_dir, directory)
+    return directory
+
+
+def remove_temp_dir(directory: str) -> None:
+    """Remove a temporary index folder this process made (no-op for any other folder)."""
+    fd = _owned_temp_dirs.pop(directory, None)
+    if fd is None:
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    os.close(fd)
 
 
 class TableIndex:
@@ -173,14 +281,14 @@ class TableIndex:
     # ---- building -----------------------------------------------------------------------------
     @classmethod
     def build(cls, table: str, directory: Optional[str] = None, progress: bool = True) -> "TableIndex":
-        """Stream the table's shards into `directory` (default: a temporary folder removed at exit).
-        A directory that already holds the index of the same files (names, sizes, modification
-        times) is reused as it is — set `data.index_dir` to skip re-reading a large table on restarts."""
+        """Stream the table's shards into `directory` (default: a temporary folder removed at exit,
+        see the module docstring). A directory that already holds the index of the same files
+        (names, sizes, modification times) is reused as it is — set `data.index_dir` to skip
+        re-reading a large table on restarts."""
         files = [os.path.abspath(f) for f in table_files(table)]
         sources = [[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
         if directory is None:
-            directory = tempfile.mkdtemp(prefix="jaxsora-table-")
-            atexit.register(shutil.rmtree, directory, True)
+            directory = _make_temp_dir()
         elif os.path.isfile(os.path.join(directory, "index.json")):
             try:
                 existing = cls(directory)
@@ -189,11 +297,13 @@ class TableIndex:
             except (TableError, ValueError, OSError):
                 pass
         os.makedirs(directory, exist_ok=True)
-        for name in cls.FILES:  # a stale index: replaced (open memory maps elsewhere keep their old files)
-            if os.path.exists(os.path.join(directory, name + ".npy")):
-                os.remove(os.path.join(directory, name + ".npy"))
+        # A stale index: replaced (open memory maps elsewhere keep their old files). index.json goes
+        # first and comes back last, so an index killed mid-build is never taken as complete.
         if os.path.exists(os.path.join(directory, "index.json")):
             os.remove(os.path.join(directory, "index.json"))
+        for name in cls.FILES:
+            if os.path.exists(os.path.join(directory, name + ".npy")):
+                os.remove(os.path.join(directory, name + ".npy"))
         cols: dict[str, list] = {c: [] for c in SIZE_COLUMNS + ("fps",)}
         lengths: dict[str, list] = {"path": [], "text": []}
         roots, rows_per_file = [], []
@@ -263,4 +373,4 @@ def fingerprint(table: str) -> str:
     try:
         return index.fingerprint
     finally:
-        shutil.rmtree(index.directory, ignore_errors=True)
+        remove_temp_dir(index.directory)

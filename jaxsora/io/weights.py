@@ -16,7 +16,10 @@ from typing import Any, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
+from jaxsora.errors import MissingDependency, MissingFile, WeightsError
+
 TORCH_EXTS = (".pth", ".pt", ".bin", ".ckpt")
+WEIGHT_EXTS = (".safetensors",) + TORCH_EXTS
 # Wrappers Open-Sora / PixArt / ColossalAI / DDP put around a state dict.
 WRAPPER_KEYS = ("ema", "model", "state_dict", "module")
 
@@ -53,14 +56,14 @@ class SafetensorsFile(Mapping[str, LazyTensor]):
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than its header)")
+                raise WeightsError(f"{path}: not a safetensors file (shorter than its header)")
             (n,) = struct.unpack("<Q", head)
             if n > os.path.getsize(path):
-                raise ValueError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
+                raise WeightsError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
             try:
                 header = json.loads(f.read(n))
             except ValueError as e:
-                raise ValueError(f"{path}: not a safetensors file (unreadable header)") from e
+                raise WeightsError(f"{path}: not a safetensors file (unreadable header)") from e
         self.metadata = header.pop("__metadata__", None) or {}
         self.header = header
         self.offset = 8 + n
@@ -68,7 +71,7 @@ class SafetensorsFile(Mapping[str, LazyTensor]):
     def __getitem__(self, key: str) -> LazyTensor:
         info = self.header[key]
         if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{self.path}: tensor {key!r} has unsupported safetensors dtype {info['dtype']}")
+            raise WeightsError(f"{self.path}: tensor {key!r} has unsupported safetensors dtype {info['dtype']}")
         dt = np.dtype(_ST_DTYPES[info["dtype"]])
         shape = tuple(info["shape"])
         start, end = info["data_offsets"]
@@ -112,16 +115,16 @@ def _load_torch(path: str):
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError(f"reading {path} needs torch: pip install 'jaxsora[torch]'") from e
+        raise MissingDependency(f"reading {path} needs torch: pip install 'jaxsora[torch]'") from e
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ValueError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
+            raise WeightsError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
     except Exception as e:
-        raise ValueError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
+        raise WeightsError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
 
 
 def unwrap(tree: Mapping[str, Any], is_tensor) -> dict:
@@ -147,7 +150,7 @@ def open_state_dict(path: str) -> dict[str, LazyTensor]:
     """{key: LazyTensor} of a weights file, unwrapped (see the module docstring)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file not found: {path}")
+        raise MissingFile(f"weights file not found: {path}")
     if path.endswith(".safetensors"):
         f = SafetensorsFile(path)
         return unwrap({k: f[k] for k in f}, lambda v: isinstance(v, LazyTensor))
@@ -156,7 +159,7 @@ def open_state_dict(path: str) -> dict[str, LazyTensor]:
 
         obj = _load_torch(path)
         if not isinstance(obj, Mapping):
-            raise ValueError(f"{path}: expected a state dict, found a {type(obj).__name__}")
+            raise WeightsError(f"{path}: expected a state dict, found a {type(obj).__name__}")
         flat = unwrap(obj, lambda v: isinstance(v, torch.Tensor))
         return {k: _torch_lazy(v, k) for k, v in flat.items()}
-    raise ValueError(f"{path}: unknown weights format (expected .safetensors, .pth, .pt, .bin or .ckpt)")
+    raise WeightsError(f"{path}: unknown weights format (expected .safetensors, .pth, .pt, .bin or .ckpt)")

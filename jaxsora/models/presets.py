@@ -6,6 +6,7 @@ the reference harness's TINY_CONFIG (the parity fixtures use it); "demo" is size
 """
 from __future__ import annotations
 
+from jaxsora.errors import UnknownKey
 from jaxsora.models.stdit3 import STDiT3Config
 
 _PRESETS: dict[str, dict] = {
@@ -30,11 +31,11 @@ def available() -> list[str]:
 def get_model_config(name: str, **overrides) -> STDiT3Config:
     """The preset `name` with `overrides` applied (unknown fields raise, naming them)."""
     if name not in _PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; available: {', '.join(available())}")
+        raise UnknownKey(f"unknown model preset {name!r}; available: {', '.join(available())}")
     fields = set(STDiT3Config.__dataclass_fields__)
     bad = sorted(set(overrides) - fields)
     if bad:
-        raise KeyError(f"unknown STDiT3Config field(s) {bad}; valid fields: {sorted(fields)}")
+        raise UnknownKey(f"unknown STDiT3Config field(s) {bad}; valid fields: {sorted(fields)}")
     kw = dict(qk_norm=True)  # every Open-Sora 1.2 config sets qk_norm=True
     kw.update(_PRESETS[name])
     kw.update(overrides)

@@ -16,11 +16,13 @@ from typing import Mapping, Optional
 
 import jax
 
+from jaxsora.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "sequence")
 BATCH_AXES = ("data", "fsdp")
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh the config asks for cannot be built or used (a user error: message, no traceback)."""
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import sys
 from typing import Optional
 
 
@@ -87,48 +86,38 @@ def format_rows(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
-    from jaxsora.train.__main__ import _config_root_on_path
+def _define_flags():
+    from absl import flags
 
-    _config_root_on_path(sys.argv)
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "config file (get_config() → ConfigDict)", lock_config=True)
     flags.DEFINE_string("data_path", None, "dataset table: search the aspect ratios its plan uses")
     flags.DEFINE_float("fraction", 0.9, "fraction of the device memory a step may use")
     flags.DEFINE_string("out", "bucket_config.json", "where to write the bucket config (JSON)")
     flags.DEFINE_integer("max_batch", None, "never search above this per-device batch")
-    argv = [a.replace("--data-path", "--data_path").replace("--max-batch", "--max_batch") for a in sys.argv]
 
-    def run(_):
-        from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.WARNING)
-        FLAGS = flags.FLAGS
-        if FLAGS.config is None:
-            raise app.UsageError("--config is required, e.g. --config configs/stage1.py")
-        from jaxsora.config import ConfigError
-        from jaxsora.parallel.mesh import MeshError
+def _body() -> int:
+    from absl import flags
 
-        config = FLAGS.config
-        if FLAGS.data_path:
-            config.data.table = FLAGS.data_path
-        if not 0 < FLAGS.fraction <= 1:
-            print(f"search_bs: --fraction must lie in (0, 1], got {FLAGS.fraction}", file=sys.stderr)
-            return 2
-        try:
-            result = search(config, fraction=FLAGS.fraction, max_batch=FLAGS.max_batch)
-        except (ConfigError, MeshError) as e:
-            print(f"search_bs: {e}", file=sys.stderr)
-            return 2
-        print(format_rows(result))
-        with open(FLAGS.out, "w") as f:
-            json.dump(result["bucket_config"], f, indent=1)
-        print(f"wrote {FLAGS.out}: train with --config.data.bucket_config_file={FLAGS.out}")
-        return 0
+    from jaxsora.config import ConfigError
 
-    app.run(lambda a: sys.exit(run(a)), argv=argv)
+    FLAGS = flags.FLAGS
+    config = FLAGS.config
+    if FLAGS.data_path:
+        config.data.table = FLAGS.data_path
+    if not 0 < FLAGS.fraction <= 1:
+        raise ConfigError(f"--fraction must lie in (0, 1], got {FLAGS.fraction}")
+    result = search(config, fraction=FLAGS.fraction, max_batch=FLAGS.max_batch)
+    print(format_rows(result))
+    with open(FLAGS.out, "w") as f:
+        json.dump(result["bucket_config"], f, indent=1)
+    print(f"wrote {FLAGS.out}: train with --config.data.bucket_config_file={FLAGS.out}")
+    return 0
+
+
+def main():
+    from jaxsora.cli import config_app
+
+    config_app("jaxsora.tools.search_bs", _define_flags, _body, dashed=("--data-path", "--max-batch"))
 
 
 if __name__ == "__main__":

@@ -1,43 +1,33 @@
 """`python -m jaxsora.train --config configs/stage1.py [--config.key=value ...] [flags]`
 
-Flags (the reference's names): --data-path X.csv, --load DIR (resume everything),
---ckpt-path PATH (weights only: a jaxsora checkpoint or an Open-Sora/PixArt-Σ .pth/.safetensors),
---start-from-scratch (with --load: keep optimizer and schedule, restart the data order),
---outputs DIR, --dry-run (validate config, table and bucket plan; compile the step per bucket and print
-the plan and per-device memory; train nothing), --profile START:STOP (a jax.profiler trace).
+Flags (the reference's names): --data-path X.csv, --load DIR (resume everything; DIR is a run
+folder, its checkpoints/ folder or one step folder), --step N (with --load: that step instead of
+the newest intact one), --ckpt-path PATH (weights only: a jaxsora checkpoint or an
+Open-Sora/PixArt-Σ .pth/.safetensors), --start-from-scratch (with --load: keep optimizer and
+schedule, restart the data order), --outputs DIR, --dry-run (validate config, table and bucket
+plan; compile the step per bucket and print the plan and per-device memory; train nothing),
+--profile START:STOP (a jax.profiler trace), --debug (tracebacks for user errors too).
 Multi-host: see BUILD.md (jax.distributed from SLURM / JAX_* variables / --coordinator flags).
+
+A mistake in what was given (flag, config key or value, path, table, checkpoint, mesh, missing
+optional dependency) is one line on stderr and exit code 2 (`jaxsora.errors`).
 """
-import os
 import sys
 
+from jaxsora.cli import config_app
 
-def _config_root_on_path(argv):
-    """Config files import `configs.base`: put the folder holding `configs/` on sys.path. A config
-    file that does not exist is a one-line error (exit 2), not ml_collections' traceback."""
-    for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            path = a.split("=", 1)[1]
-        elif a == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        else:
-            path = None
-        if path:
-            if not os.path.isfile(path.split(":")[0]):
-                print(f"config error: no such config file: {path.split(':')[0]}", file=sys.stderr)
-                sys.exit(2)
-            root = os.path.dirname(os.path.dirname(os.path.abspath(path.split(":")[0])))
-            if root not in sys.path:
-                sys.path.insert(0, root)
+PROG = "jaxsora.train"
+# Exit codes: 0 done (or stopped by a signal, with a checkpoint), 1 an internal error (traceback),
+# 2 a user error (one line), 3 stopped after train.max_nonfinite_steps rejected steps in a row.
+EXIT_NONFINITE = 3
 
 
-def main():
-    _config_root_on_path(sys.argv)
-    from absl import app, flags
-    from ml_collections import config_flags
+def _define_flags():
+    from absl import flags
 
-    config_flags.DEFINE_config_file("config", None, "config file (get_config() → ConfigDict)", lock_config=True)
     flags.DEFINE_string("data_path", None, "dataset table (CSV/parquet); overrides data.table")
-    flags.DEFINE_string("load", None, "resume everything from this checkpoint folder")
+    flags.DEFINE_string("load", None, "resume everything from this run / checkpoints / step folder")
+    flags.DEFINE_integer("step", None, "with --load: resume from this step (default: the newest intact one)")
     flags.DEFINE_string("ckpt_path", None, "initial weights only (jaxsora checkpoint or PyTorch file)")
     flags.DEFINE_bool("start_from_scratch", False, "with --load: restart the data order, keep the optimizer")
     flags.DEFINE_string("outputs", None, "outputs folder; overrides train.outputs")
@@ -46,43 +36,33 @@ def main():
     flags.DEFINE_string("coordinator", None, "multi-host: coordinator address host:port")
     flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
     flags.DEFINE_integer("process_id", None, "multi-host: this process's id")
-    # The reference spells these with dashes.
-    argv = [a.replace("--data-path", "--data_path").replace("--ckpt-path", "--ckpt_path")
-            .replace("--start-from-scratch", "--start_from_scratch").replace("--dry-run", "--dry_run")
-            .replace("--num-processes", "--num_processes").replace("--process-id", "--process_id")
-            for a in sys.argv]
 
-    def run(_):
-        from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
-        FLAGS = flags.FLAGS
-        if FLAGS.config is None:
-            raise app.UsageError("--config is required, e.g. --config configs/stage1.py")
-        from jaxsora.parallel.distributed import initialize
+def _body() -> int:
+    from absl import flags
 
-        initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-        from jaxsora.config import ConfigError
-        from jaxsora.parallel.mesh import MeshError
-        from jaxsora.train.loop import RunOptions, train
-        from jaxsora.train.memory import MemoryPlanError
+    FLAGS = flags.FLAGS
+    from jaxsora.parallel.distributed import initialize
 
-        opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, ckpt_path=FLAGS.ckpt_path,
-                          start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, dry_run=FLAGS.dry_run,
-                          profile=FLAGS.profile)
-        try:
-            summary = train(FLAGS.config, opts)
-        except (ConfigError, MeshError) as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-        except MemoryPlanError as e:
-            print(f"memory: {e}", file=sys.stderr)
-            return 2
-        if not opts.dry_run:
-            print(f"[jaxsora] done: {summary['steps']} steps, checkpoints in {summary['checkpoints']}")
-        return 0
+    initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    from jaxsora.train.loop import NonFiniteError, RunOptions, train
 
-    app.run(lambda a: sys.exit(run(a)), argv=argv)
+    opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, step=FLAGS.step, ckpt_path=FLAGS.ckpt_path,
+                      start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, dry_run=FLAGS.dry_run,
+                      profile=FLAGS.profile)
+    try:
+        summary = train(FLAGS.config, opts)
+    except NonFiniteError as e:  # the run's own verdict, not a bug: one line
+        print(f"[jaxsora] stopped: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    if not opts.dry_run:
+        print(f"[jaxsora] done: {summary['steps']} steps, checkpoints in {summary['checkpoints']}")
+    return 0
+
+
+def main():
+    config_app(PROG, _define_flags, _body, dashed=("--data-path", "--ckpt-path", "--start-from-scratch", "--dry-run",
+                                                   "--num-processes", "--process-id"))
 
 
 if __name__ == "__main__":

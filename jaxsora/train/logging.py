@@ -17,6 +17,18 @@ from typing import Optional, Sequence
 import numpy as np
 
 
+def _skipped(counts) -> dict:
+    """The loader's skip counts {reason: n} → {"skipped": total, "skipped/<reason>": n, ...}."""
+    if not isinstance(counts, dict):
+        return dict(skipped=int(counts or 0))
+    return dict(skipped=int(sum(counts.values())), **{f"skipped/{k}": int(v) for k, v in sorted(counts.items())})
+
+
+def _skipped_text(summary: dict) -> str:
+    parts = [f"{k.split('/', 1)[1]} {v}" for k, v in summary.items() if k.startswith("skipped/") and v]
+    return f"{summary['skipped']}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 class MetricLogger:
     def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True):
         self.enabled = enabled
@@ -56,14 +68,14 @@ class MetricLogger:
             step=int(last["step"]), loss=mean("loss", good), grad_norm=mean("grad_norm", good), lr=float(last["lr"]),
             weight_norm=float(last["weight_norm"]), samples_per_s=sum(r["samples"] for r in rows) / wall,
             tokens_per_s=sum(r["tokens"] for r in rows) / wall, step_time=wall / len(rows),
-            data_time=mean("data_time"), skipped=int(last.get("skipped", 0)),
+            data_time=mean("data_time"), **_skipped(last.get("skipped")),
             nonfinite_total=int(last.get("nonfinite_total", 0)), epoch=int(last.get("epoch", 0)),
             wall=time.time() - self._t0)
         print(f"step {summary['step']:>6} | loss {summary['loss']:.4f} | lr {summary['lr']:.2e} "
               f"| grad {summary['grad_norm']:.3f} | weight {summary['weight_norm']:.2f} "
               f"| {summary['samples_per_s']:.2f} samples/s {summary['tokens_per_s']:.0f} tok/s "
               f"| step {summary['step_time']:.3f}s data {summary['data_time']:.3f}s "
-              f"| skipped {summary['skipped']} nonfinite {summary['nonfinite_total']} "
+              f"| skipped {_skipped_text(summary)} rejected {summary['nonfinite_total']} "
               f"| epoch {summary['epoch']} {last.get('bucket', '')}", flush=True)
         self._jsonl.write(json.dumps(summary) + "\n")
         self._jsonl.flush()

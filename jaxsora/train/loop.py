@@ -20,12 +20,13 @@ from typing import Optional
 
 import jax
 
+from jaxsora.errors import UserError
 from jaxsora.parallel.sharding import abstract_of
 from jaxsora.train import memory
 from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
 from jaxsora.train.step import batch_key, global_batch
-from jaxsora.train.supervise import StopRequested, Watchdog
+from jaxsora.train.supervise import RunLock, StopRequested, Watchdog
 
 # Steps dispatched ahead of the device. Waiting for step k-2 before dispatching step k never
 # idles the device (k-1 is queued) and bounds the batches held on it.
@@ -33,13 +34,18 @@ MAX_IN_FLIGHT = 2
 
 
 class NonFiniteError(RuntimeError):
-    pass
+    """Training stopped after `train.max_nonfinite_steps` rejected steps in a row."""
+
+
+class EmptyPlanError(UserError):
+    """The table gives no full global batch: nothing to train on."""
 
 
 @dataclasses.dataclass
 class RunOptions:
     data_path: Optional[str] = None
     load: Optional[str] = None
+    step: Optional[int] = None  # with load: that checkpoint step (default: the newest intact one)
     ckpt_path: Optional[str] = None
     start_from_scratch: bool = False
     outputs: Optional[str] = None
@@ -83,31 +89,53 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     profile = _profile_range(opts.profile)
     tcfg = config.train
     outdir = os.path.abspath(os.path.join(tcfg.outputs, tcfg.get("experiment", "run")))
-    os.makedirs(outdir, exist_ok=True)
+    if not config.data.get("index_dir"):  # the table index lives with the run and is reused on resume
+        config.data.index_dir = os.path.join(outdir, "table_index")
     # The persistent compilation cache: shared by every experiment under the outputs folder, unless
     # one is already set (JAX_COMPILATION_CACHE_DIR).
     if tcfg.get("compilation_cache", True) and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(tcfg.outputs), "jax_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
-    setup = setup_run(config, abstract_encoders=opts.dry_run)
-    loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
     if opts.dry_run:
         from jaxsora.train.dry_run import dry_run
 
+        setup = setup_run(config, abstract_encoders=True)
+        loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
         return dry_run(setup, loader, outdir)
 
-    with jax.set_mesh(setup.mesh):
-        buckets = _compile_plan(setup, loader)
-        state, wandb_id = _initial_state(setup, loader, opts)
-        return _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets)
+    if loader_factory is None:  # the table's columns and rows, before the run takes its folder
+        from jaxsora.data.tables import check_table
+
+        check_table(config.data.table)
+    # One owner per run folder (process 0 holds the lock for all processes of the run).
+    lock = RunLock(outdir).acquire() if _is_main() else None
+    try:
+        setup = setup_run(config)
+        loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
+        with jax.set_mesh(setup.mesh):
+            buckets = _compile_plan(setup, loader)
+            state, wandb_id = _initial_state(setup, loader, opts)
+            return _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _compile_plan(setup, loader) -> list:
     """Compile the step for each bucket shape of the current epoch's plan; refuse a plan with a
     bucket that does not fit. (A shape first met in a later epoch compiles when it comes.)"""
     config = setup.config
-    shapes = [(b, gb) for b, n, gb, _ in loader.describe_plan(loader.epoch) if n > 0]
+    described = loader.describe_plan(loader.epoch)
+    shapes = [(b, gb) for b, n, gb, _ in described if n > 0]
+    if not shapes:
+        rows = getattr(loader, "num_rows", None)
+        if rows == 0:
+            raise EmptyPlanError(f"the table {config.data.get('table')} has no rows")
+        per_bucket = ", ".join(f"{b[0]} {b[1]}f: {r} rows for a global batch of {gb}" for b, _, gb, r in described)
+        raise EmptyPlanError(f"no bucket gets one full global batch from the table {config.data.get('table')} "
+                             f"({per_bucket or 'no row fits any bucket'}); lower the batch sizes or add data "
+                             "(python -m jaxsora.train ... --dry-run shows the plan)")
     limit = memory.device_memory_limit(config)
     rows = memory.compile_buckets(setup, shapes, limit=limit, threads=memory.compile_threads(config),
                                   progress=_is_main())
@@ -139,7 +167,7 @@ def _compile_late(setup, batch, host):
 def _initial_state(setup, loader, opts: RunOptions):
     """(state, wandb run id) for the resume mode; every array is created in its shards."""
     if opts.load:
-        restored = restore(opts.load, setup.plan.abstract_sharded)
+        restored = restore(opts.load, setup.plan.abstract_sharded, step=opts.step)
         loader.restore(restored["data"], reset=opts.start_from_scratch)
         if _is_main():
             print(f"[jaxsora] resumed {opts.load} at step {restored['step']}"
@@ -148,6 +176,16 @@ def _initial_state(setup, loader, opts: RunOptions):
     if opts.ckpt_path:
         return weights_only_state(setup, opts.ckpt_path), None
     return fresh_state(setup), None
+
+
+def _skip_counts(loader) -> dict:
+    """{reason: samples skipped so far} of the loader (a total under "skipped" for loaders that
+    only count)."""
+    counts = getattr(loader, "skip_counts", None)
+    if counts is not None:
+        return {str(k): int(v) for k, v in dict(counts).items()}
+    n = int(getattr(loader, "num_skipped", 0))
+    return {"unreadable": n} if n else {}
 
 
 def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict:
@@ -160,13 +198,14 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
     ckpt = Checkpointer(os.path.join(outdir, "checkpoints"), keep=int(tcfg.get("keep_ckpts", 3)),
                         async_save=bool(tcfg.get("async_checkpoint", True)))
     logger = MetricLogger(config, outdir, resume_id=wandb_id, enabled=_is_main())
-    stop = StopRequested()
+    stop = StopRequested(multi_process=jax.process_count() > 1)
     watchdog = Watchdog(float(tcfg.get("watchdog_factor", 10.0)), float(tcfg.get("watchdog_min_seconds", 300.0)))
     max_steps, ckpt_every = int(tcfg.max_steps), int(tcfg.ckpt_every)
     log_every, max_bad = int(tcfg.get("log_every", 10)), int(tcfg.get("max_nonfinite_steps", 5))
     enc = setup.encoders.weights
     counts = dict(bad_in_row=0, nonfinite=0)
-    last = dict(loss=None, good_ckpt=None, interval_start=time.monotonic())
+    # good_ckpt: the newest checkpoint saved before the current streak of rejected steps began.
+    last = dict(loss=None, good_ckpt=None, streak_ckpt=None, interval_start=time.monotonic())
     pending: list = []  # (device metrics, host facts) of the steps since the last fetch
     in_flight: collections.deque = collections.deque()
     step = int(jax.device_get(state.step))
@@ -176,6 +215,8 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
         meta = dict(wandb_id=logger.run_id, jaxsora=_version(), mesh=dict(mesh.shape),
                     processes=jax.process_count(), time=time.time())
         if ckpt.save(s, state, config=run_config, data=loader.state(), meta=meta, force=force):
+            # Rejected steps leave the state untouched, so a save during a streak holds the state
+            # from before its first bad step — still good.
             last["good_ckpt"] = os.path.join(ckpt.directory, str(s))
 
     def fetch_and_log() -> int:
@@ -186,13 +227,17 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
         fetched = jax.device_get([m for m, _ in pending])
         rows = []
         for m, (_, host) in zip(fetched, pending):
+            # The metrics are replicated global arrays: every process reads the same values and
+            # takes the same decision at the same step.
             if int(m["nonfinite"]):
                 counts["bad_in_row"] += 1
                 counts["nonfinite"] += 1
                 if counts["bad_in_row"] >= max_bad:
                     raise NonFiniteError(
-                        f"{counts['bad_in_row']} non-finite steps in a row (loss {float(m['loss'])}, grad norm "
-                        f"{float(m['grad_norm'])}); stopping. Last good checkpoint: {last['good_ckpt']}")
+                        f"{counts['bad_in_row']} rejected steps in a row (loss {float(m['loss'])}, grad norm "
+                        f"{float(m['grad_norm'])}, update norm growth {float(m.get('norm_growth', 1.0)):.3g}); "
+                        f"stopping at step {int(m['step'])}, no bad update applied. Last good checkpoint: "
+                        f"{last['good_ckpt']}")
             else:
                 counts["bad_in_row"] = 0
                 last["loss"] = float(m["loss"])
@@ -207,30 +252,34 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
         save(force=True)  # the Lambda fork's "save at start"
     it = iter(loader)
     tracing = False
+    dispatched = 0  # steps dispatched by this run: the same on every host (the preemption sync's step id)
     try:
         while True:
-            while step < max_steps and not stop.flag:
+            while step < max_steps and not stop.should_stop(dispatched):
                 if profile and step == profile[0] and not tracing:
                     jax.profiler.start_trace(os.path.join(outdir, "profile"))
                     tracing = True
-                watchdog.begin()
+                watchdog.phase("data")
                 t0 = time.monotonic()
                 host = next(it)
                 t_data = time.monotonic() - t0
+                watchdog.phase(None)
                 batch = global_batch(host, mesh)
                 if batch_key(batch) not in setup.step.executables:
                     _compile_late(setup, batch, host)
+                watchdog.phase("step")
                 state, metrics = setup.step(state, batch, enc)
                 in_flight.append(metrics["loss"])
                 if len(in_flight) > MAX_IN_FLIGHT:
                     in_flight.popleft().block_until_ready()
-                watchdog.end()
+                watchdog.phase(None)
                 step += 1
+                dispatched += 1
                 gb = batch["video"].shape[0]
                 bucket = host.get("bucket", ("", *batch["video"].shape[2:]))
                 pending.append((metrics, dict(
                     data_time=t_data, samples=gb, tokens=gb * setup.tokens_per_sample(tuple(bucket[1:])),
-                    epoch=host.get("epoch", 0), bucket=str(bucket), skipped=getattr(loader, "num_skipped", 0))))
+                    epoch=host.get("epoch", 0), bucket=str(bucket), skipped=_skip_counts(loader))))
                 if tracing and step >= profile[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -241,7 +290,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
                     step = fetch_and_log()
                 if step % ckpt_every == 0:
                     save()
-            step = fetch_and_log()  # the true count: non-finite steps were not applied
+            step = fetch_and_log()  # the true count: rejected steps were not applied
             if step >= max_steps or stop.flag:
                 break
         save(force=True)  # the end (or a signal)

@@ -16,12 +16,13 @@ from typing import Optional, Sequence
 
 import jax
 
+from jaxsora.errors import UserError
 from jaxsora.train.step import CompileInfo
 
 GIB = 1 << 30
 
 
-class MemoryPlanError(ValueError):
+class MemoryPlanError(UserError, ValueError):
     """Some bucket of the plan cannot fit on the device: a user error (batch sizes, remat, mesh)."""
 
 

@@ -74,7 +74,8 @@ def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
     step_fn = make_train_step(plan.graphdef, tx, encode_video=encoders.encode_video,
                               encode_text=encoders.encode_text, scheduler_cfg=plain(config.scheduler),
                               mask_ratios=plain(config.mask_ratios) or None, ema_decay=float(config.optim.ema_decay),
-                              lr_fn=lr_schedule(config.optim))
+                              lr_fn=lr_schedule(config.optim),
+                              max_norm_growth=float(config.train.get("max_param_norm_growth", 0.0)))
     return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan))
 
 

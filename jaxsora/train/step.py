@@ -3,8 +3,10 @@
 One step (Open-Sora 1.2 `scripts/train.py`, spec §6): encode the video with the frozen VAE and the
 captions with the frozen text encoder → draw the frame-conditioning masks → rectified-flow loss
 of STDiT3 (caption dropout inside) → gradients of the trainable parameters → global-norm clip →
-AdamW → EMA. A step whose loss or gradient norm is not finite leaves the state unchanged (it is
-counted in the metrics and by the loop).
+AdamW → EMA. A step is rejected — the state left unchanged, counted in the metrics (`nonfinite`)
+and by the loop — when its loss or gradient norm is not finite, or when its update would make
+the parameter norm non-finite or grow it past `max_norm_growth` times (a blow-up with a finite
+loss: parameters at 1e30 after one step).
 
 The state is donated; every distinct bucket shape compiles once (the persistent compilation
 cache keeps the executables across runs).
@@ -45,6 +47,7 @@ def make_train_step(
     mask_ratios: Optional[dict],
     ema_decay: float,
     lr_fn: Callable,
+    max_norm_growth: float = 0.0,
 ):
     """Returns `step(state, batch, encoders) -> (state, metrics)`, to be jitted by the caller.
 
@@ -54,6 +57,7 @@ def make_train_step(
     VAE/T5 weights are not baked into the executable as constants.
     encode_video(encoders, video, key) → latents [B, C, T', H', W'] (no gradient);
     encode_text(encoders, ids, text_mask) → [B, L, D] text states (no gradient).
+    max_norm_growth: > 0 rejects an update with ‖params'‖ > max_norm_growth · ‖params‖ (0: off).
     """
     mask_gen = MaskGenerator(dict(mask_ratios)) if mask_ratios else None
     sched = dict(scheduler_cfg or {})
@@ -88,19 +92,32 @@ def make_train_step(
     def step(state: TrainState, batch: dict, encoders=None):
         loss, grads = loss_and_grads(state, batch, encoders)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        def propose(state):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
+
+        old_norm = weight_norm(state.params)
+        growth = jnp.ones((), jnp.float32)
+        if max_norm_growth > 0:
+            # The proposed parameters only feed this norm (XLA fuses them into the reduction); the
+            # applied ones are recomputed in `apply`, so no second copy of params and moments is live.
+            new_norm = weight_norm(propose(state)[0])
+            growth = new_norm / jnp.maximum(old_norm, jnp.finfo(jnp.float32).tiny)
+            ok = ok & jnp.isfinite(new_norm) & (growth <= max_norm_growth)
 
         def apply(state):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params, opt_state = propose(state)
             return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                  ema=ema_update(state.ema, params, ema_decay))
 
-        # A non-finite step leaves the state as it was: one branch runs (no per-array select over
+        # A rejected step leaves the state as it was: one branch runs (no per-array select over
         # params, moments and EMA), and the donated buffers pass through.
-        new_state = jax.lax.cond(finite, apply, lambda state: state, state)
+        new_state = jax.lax.cond(ok, apply, lambda state: state, state)
         metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=weight_norm(new_state.params),
-                       lr=lr_fn(state.step), nonfinite=(~finite).astype(jnp.int32), step=new_state.step)
+                       lr=lr_fn(state.step), nonfinite=(~ok).astype(jnp.int32), step=new_state.step,
+                       norm_growth=growth)
         return new_state, metrics
 
     step.loss_and_grads = loss_and_grads

@@ -1,59 +1,152 @@
-"""Supervision of a running job: a watchdog for stalls and clean stops on SIGTERM/SIGINT."""
+"""Supervision of a running job: stalls, stop requests (signals, preemption on any host) and the
+one-owner lock of a run folder.
+
+- `Watchdog`: times each phase of the loop — waiting for the loader's next batch ("data") and
+  dispatching/finishing a step ("step") — and when one runs far past its usual time, prints which
+  phase is stuck and every thread's stack (faulthandler), then asks the loader's worker processes
+  for theirs (SIGUSR1, only to children that installed a handler for it). Never kills the run.
+- `StopRequested`: SIGTERM/SIGINT → finish the current step, checkpoint, exit cleanly. With many
+  processes, SIGTERM is left to JAX's preemption service: a notice on any host makes every host
+  reach the same sync step (`multihost_utils.reached_preemption_sync_point`), where all of them
+  save and exit together.
+- `RunLock`: `<run>/run.lock` holds host, pid and start time of the run that owns the folder; a
+  second run refuses to start there, naming the first; a lock left by a dead process on this host
+  is taken over with a warning.
+"""
 from __future__ import annotations
 
 import faulthandler
+import json
+import os
 import signal
+import socket
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 
+from jaxsora.errors import UserError
+
+# Durations kept per phase for the median.
+_HISTORY = 50
+# Samples of a phase before its median is trusted; before that only `min_seconds` applies.
+_WARMUP_SAMPLES = 3
+
+
+def _children_with_usr1_handler() -> list[int]:
+    """Child processes of this one that catch SIGUSR1 (Linux /proc; [] elsewhere). SIGUSR1's default
+    action terminates, so only processes whose SigCgt mask has it are signalled."""
+    me, out = os.getpid(), []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    bit = 1 << (signal.SIGUSR1 - 1)
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        except (OSError, ValueError):
+            continue
+        if int(fields.get("PPid", "0")) == me and int(fields.get("SigCgt", "0"), 16) & bit:
+            out.append(pid)
+    return out
+
 
 class Watchdog:
-    """Dumps every thread's stack (faulthandler) when a step takes far longer than usual — the
-    reference's silent loader freezes. Never kills the run."""
+    """Reports a stuck loader or step (the reference's silent PyAV freezes and NCCL hangs).
 
-    def __init__(self, factor: float, min_seconds: float):
-        self.factor, self.min_seconds = factor, min_seconds
-        self.times: list[float] = []
-        self._deadline = None
+    A phase is stuck when it runs longer than max(min_seconds, factor × its median); before a phase
+    has `_WARMUP_SAMPLES` durations, after min_seconds. Phases: "data" (waiting for the next
+    batch), "step" (dispatching it and waiting for the step `MAX_IN_FLIGHT` back). `None` (between
+    phases, e.g. saving or compiling a new shape) is never timed.
+    """
+
+    def __init__(self, factor: float, min_seconds: float, *, poll: float = 1.0, stream=None):
+        self.factor, self.min_seconds, self.poll = factor, min_seconds, poll
+        self.stream = stream
+        self.times: dict[str, list[float]] = {}
+        self._phase: Optional[str] = None
+        self._start = 0.0
+        self._deadline: Optional[float] = None
         self._stop = threading.Event()
-        self.dumps = 0
+        self.dumps: list[str] = []  # the phases reported
         self._thread = threading.Thread(target=self._run, daemon=True, name="jaxsora-watchdog")
         self._thread.start()
 
-    def begin(self):
-        typical = float(np.median(self.times[-50:])) if len(self.times) >= 3 else None
-        limit = max(self.min_seconds, self.factor * typical) if typical else None
-        self._deadline = (time.monotonic() + limit) if limit else None
-        self._start = time.monotonic()
+    def limit(self, phase: str) -> float:
+        hist = self.times.get(phase, [])
+        if len(hist) < _WARMUP_SAMPLES:
+            return self.min_seconds
+        return max(self.min_seconds, self.factor * float(np.median(hist[-_HISTORY:])))
 
-    def end(self):
-        self.times.append(time.monotonic() - self._start)
+    def phase(self, name: Optional[str]) -> None:
+        """End the current phase (recording its duration) and start `name` (None: untimed)."""
+        now = time.monotonic()
+        if self._phase is not None:
+            self.times.setdefault(self._phase, []).append(now - self._start)
+            del self.times[self._phase][:-_HISTORY]
         self._deadline = None
+        self._phase, self._start = name, now
+        if name is not None:
+            self._deadline = now + self.limit(name)
 
     def _run(self):
-        while not self._stop.wait(1.0):
-            d = self._deadline
-            if d is not None and time.monotonic() > d:
-                self.dumps += 1
-                print(f"[watchdog] step running for {time.monotonic() - self._start:.0f}s "
-                      f"(median {np.median(self.times[-50:]):.2f}s); stacks of every thread:", file=sys.stderr)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                self._deadline = None
+        while not self._stop.wait(self.poll):
+            deadline, phase = self._deadline, self._phase
+            if deadline is None or phase is None or time.monotonic() <= deadline:
+                continue
+            self._deadline = None  # once per stall
+            self._report(phase)
+
+    def _report(self, phase: str) -> None:
+        out = self.stream or sys.stderr
+        hist = self.times.get(phase, [])
+        usual = f"median {np.median(hist[-_HISTORY:]):.2f}s" if hist else "no earlier sample"
+        what = ("waiting for the loader's next batch" if phase == "data" else
+                "in the train step (device work or a collective)" if phase == "step" else phase)
+        self.dumps.append(phase)
+        print(f"[watchdog] stalled {what} for {time.monotonic() - self._start:.0f}s ({usual}); "
+              f"stacks of every thread follow", file=out, flush=True)
+        try:
+            faulthandler.dump_traceback(file=out, all_threads=True)
+        except (ValueError, OSError, AttributeError):  # a stream without a file descriptor
+            import traceback
+
+            for tid, frame in sys._current_frames().items():
+                print(f"Thread {tid}:", file=out)
+                traceback.print_stack(frame, file=out)
+        if phase == "data":
+            workers = _children_with_usr1_handler()
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+            if workers:
+                print(f"[watchdog] asked loader workers {workers} for their stacks (on their stderr)", file=out,
+                      flush=True)
 
     def stop(self):
         self._stop.set()
 
 
 class StopRequested:
-    """SIGTERM/SIGINT → finish the current step, checkpoint, exit cleanly."""
+    """SIGTERM/SIGINT → finish the current step, checkpoint, exit cleanly.
 
-    def __init__(self):
+    multi_process: SIGTERM stays with JAX's preemption service (installed by
+    `jax.distributed.initialize`), which propagates a notice on any host to all; call `should_stop`
+    every step with the same step number on every host."""
+
+    def __init__(self, multi_process: bool = False):
         self.flag = False
+        self.preempted = False
+        self.multi_process = multi_process
         self._old = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        sigs = (signal.SIGINT,) if multi_process else (signal.SIGTERM, signal.SIGINT)
+        for sig in sigs:
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
@@ -64,8 +157,108 @@ class StopRequested:
             raise KeyboardInterrupt
         self.flag = True
         print(f"\n[jaxsora] got signal {signum}: saving a checkpoint after this step, then exiting",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop after `step` (the local flag, or every host's preemption sync point)."""
+        if self.multi_process and not self.flag:
+            from jax.experimental import multihost_utils
+
+            try:
+                reached = multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
+                reached = False
+            if reached:
+                self.flag = self.preempted = True
+                print(f"[jaxsora] preemption notice on a host: every host saves step {step} and exits",
+                      file=sys.stderr, flush=True)
+        return self.flag
 
     def restore(self):
         for sig, h in self._old.items():
             signal.signal(sig, h)
+
+
+class RunLockedError(UserError):
+    pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class RunLock:
+    """One owner per run folder: `<run>/run.lock` = {"host", "pid", "start", "argv"}.
+
+    Taken with O_CREAT|O_EXCL, so two runs starting together cannot both win. A lock whose process
+    is dead on this host is stale and taken over (with a warning); a live one, or one from another
+    host (which cannot be checked from here), is a refusal naming it."""
+
+    NAME = "run.lock"
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, self.NAME)
+        self.held = False
+
+    def _describe(self, info: dict) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("start", 0)))
+        return f"pid {info.get('pid')} on host {info.get('host')}, started {started}"
+
+    def acquire(self) -> "RunLock":
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        me = dict(host=socket.gethostname(), pid=os.getpid(), start=time.time(), argv=sys.argv)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    with open(self.path) as f:
+                        info = json.load(f)
+                except (OSError, ValueError):
+                    info = {}
+                if not info and os.path.exists(self.path) and time.time() - os.path.getmtime(self.path) < 10:
+                    time.sleep(0.5)  # another run is writing it right now
+                    continue
+                if info and (info.get("host") != me["host"] or _pid_alive(int(info.get("pid", -1)))):
+                    raise RunLockedError(
+                        f"{os.path.dirname(self.path)} is in use by another run ({self._describe(info)}); "
+                        f"give this run another --outputs or experiment name, or stop that one (if it is gone, "
+                        f"delete {self.path})")
+                who = self._describe(info) if info else "unreadable"
+                print(f"[jaxsora] taking over the stale lock of a dead run ({who})", file=sys.stderr, flush=True)
+                stale = f"{self.path}.stale.{os.getpid()}"
+                try:
+                    os.replace(self.path, stale)
+                    os.remove(stale)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunLockedError(f"could not take the lock {self.path}; is another run starting in this folder?")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            with open(self.path) as f:
+                mine = json.load(f).get("pid") == os.getpid()
+        except (OSError, ValueError):
+            mine = False
+        if mine:
+            os.remove(self.path)
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()

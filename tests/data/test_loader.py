@@ -1,5 +1,7 @@
 """The loader: deterministic plans, host shares, exact resume (grain worker processes too, across
-epochs), refusal of changed data, a moved dataset accepted, bad files, two jax.distributed hosts."""
+epochs), refusal of changed data, a moved dataset accepted, bad files and bad rows (skipped,
+counted per reason, replayed on resume), two jax.distributed hosts, nothing left behind (worker
+processes after a kill -9, shared memory, temporary table indexes)."""
 import json
 import os
 import pickle
@@ -7,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -241,3 +244,245 @@ def test_text_inputs_are_made_in_the_loader_workers(dataset, tmp_path):
         np.testing.assert_array_equal(a["ids"], b["ids"])
         np.testing.assert_array_equal(a["text_mask"], b["text_mask"])
         assert a["ids"].shape == (len(a["text"]), 16) and a["ids"].dtype == np.int32
+
+
+# ---- rows that cannot fill their bucket -----------------------------------------------------------
+
+BAD_REASONS = {"image_in_video_bucket", "animated_image", "too_short", "missing", "unreadable", "empty_caption"}
+
+
+@pytest.fixture(scope="module")
+def bad_table(dataset, tmp_path_factory):
+    """The synthetic set plus one row per kind of bad row (all 32×32, declared 12 frames: the 8-frame
+    bucket). → (table path, {row: the reason it must be skipped for})."""
+    from PIL import Image
+
+    from jaxsora.data.video import write_mp4
+
+    d = tmp_path_factory.mktemp("bad") / "d"
+    shutil.copytree(dataset, d)
+    df = pd.read_csv(d / "meta.csv")
+    good = df.index[(df.num_frames == 12) & (df.height == 32) & (df.width == 32)][0]
+    image = df.index[df.num_frames == 1][0]
+    os.makedirs(d / "bad")
+    frames = [Image.fromarray(np.full((32, 32, 3), v, np.uint8)) for v in (40, 120, 200)]
+    frames[0].save(d / "bad" / "anim.gif", save_all=True, append_images=frames[1:], duration=100)
+    write_mp4(np.zeros((1, 32, 32, 3), np.uint8), str(d / "bad" / "one.mp4"), 8)
+    blob = (d / df.path[good]).read_bytes()
+    (d / "bad" / "truncated.mp4").write_bytes(blob[: len(blob) // 2])
+    shutil.copy(d / df.path[good], d / "bad" / "uncaptioned.mp4")
+    shutil.copy(d / df.path[good], d / "bad" / "blank.mp4")
+    row = dict(num_frames=12, height=32, width=32, aspect_ratio=1.0, resolution=1024, fps=8.0)
+    bad = [(df.path[image], "an image declared as a clip", "image_in_video_bucket"),
+           ("bad/anim.gif", "an animated gif declared as a clip", "animated_image"),
+           ("bad/one.mp4", "one real frame", "too_short"),
+           ("bad/gone.mp4", "a missing file", "missing"),
+           ("bad/truncated.mp4", "half a file", "unreadable"),
+           ("bad/uncaptioned.mp4", "", "empty_caption"),
+           ("bad/blank.mp4", "  ", "empty_caption")]
+    df = pd.concat([df, pd.DataFrame([dict(row, path=p, text=t) for p, t, _ in bad])], ignore_index=True)
+    df.to_csv(d / "meta.csv", index=False)
+    return d / "meta.csv", {len(df) - len(bad) + i: reason for i, (_, _, reason) in enumerate(bad)}
+
+
+def _expected_skips(loader, bad, epoch, n):
+    """The skips of the first n batches of `epoch` by the documented rule: a bad row in slot s of
+    batch i is replaced by row pool[rng([seed, epoch, i, s, attempt]).integers(len(pool))], pool =
+    the bucket's rows this epoch, until a good one comes up. → ({reason: count}, planned bad rows)."""
+    counts, planned = {}, set()
+    for i, pb in enumerate(loader.plan(epoch)[:n]):
+        pool = np.concatenate([p.rows for p in loader.plan(epoch) if p.bucket == pb.bucket])
+        for s, row in enumerate(pb.rows.tolist()):
+            planned |= {row} & set(bad)
+            attempt = 0
+            while row in bad:
+                counts[bad[row]] = counts.get(bad[row], 0) + 1
+                attempt += 1
+                row = int(pool[np.random.default_rng([loader.seed, epoch, i, s, attempt]).integers(len(pool))])
+    return counts, planned
+
+
+def test_bad_rows_are_skipped_counted_and_replaced(bad_table, capsys):
+    table, bad = bad_table
+    loader = _loader(table)
+    n = loader.steps_per_epoch(0)
+    expected, planned = _expected_skips(loader, bad, 0, n)
+    assert {bad[r] for r in planned} == BAD_REASONS  # every kind of bad row is met in this epoch
+    for batch in _take(loader, n):
+        _, t, h, w = batch["bucket"]
+        assert batch["video"].shape == (len(batch["row"]), 3, t, h, w) and batch["video"].dtype == np.uint8
+        assert not set(bad) & set(batch["row"].tolist())
+        assert all(batch["text"])
+    assert loader.skip_counts == expected and set(expected) == BAD_REASONS
+    assert loader.num_skipped == sum(expected.values())
+    assert loader.state()["skipped"] == expected
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "skipped row" in line]
+    assert len(warnings) == loader.num_skipped
+    for reason in BAD_REASONS:
+        assert any(f"({reason}):" in line for line in warnings), reason
+
+
+def test_a_sample_of_the_wrong_shape_is_skipped_not_stacked(dataset, monkeypatch):
+    """Whatever a decoder returns, a batch only stacks samples of the bucket's [3, T, H, W]."""
+    import jaxsora.data.loader as loader_mod
+
+    loader = _loader(dataset / "meta.csv")
+    victim = int(loader.plan(0)[0].rows[0])
+    real = loader_mod.load_sample
+
+    def load(path, t, h, w, **kw):
+        video, fps = real(path, t, h, w, **kw)
+        return (video[:, :, :-1], fps) if path == loader.table.path(victim) else (video, fps)
+
+    monkeypatch.setattr(loader_mod, "load_sample", load)
+    batch = _take(loader, 1)[0]
+    _, t, h, w = batch["bucket"]
+    assert batch["video"].shape == (len(batch["row"]), 3, t, h, w) and victim not in batch["row"]
+    assert loader.skip_counts == {"bad_shape": 1}
+
+
+@pytest.fixture(scope="module")
+def bad_reference(bad_table):
+    """The uninterrupted run over the bad table, past the end of epoch 0, with the counts after each batch."""
+    loader = _loader(bad_table[0])
+    batches, counts = [], []
+    for batch in loader:
+        batches.append(batch)
+        counts.append(dict(loader.skip_counts))
+        if len(batches) == loader.steps_per_epoch(0) + 3:
+            break
+    return batches, counts
+
+
+@pytest.mark.parametrize("first_workers,resumed_workers", [(2, 0), (0, 2)])
+def test_resume_replays_skips_exactly(bad_table, bad_reference, first_workers, resumed_workers):
+    ref, ref_counts = bad_reference
+    first = _loader(bad_table[0], num_workers=first_workers)
+    for a, b in zip(_take(first, 5), ref):
+        np.testing.assert_array_equal(a["row"], b["row"])
+    state = json.loads(json.dumps(first.state()))  # as a checkpoint stores it
+    assert state["skipped"] == ref_counts[4]
+    resumed = _loader(bad_table[0], num_workers=resumed_workers)
+    resumed.restore(state)
+    for a, b in zip(_take(resumed, len(ref) - 5), ref[5:]):
+        np.testing.assert_array_equal(a["row"], b["row"])
+        np.testing.assert_array_equal(a["video"], b["video"])
+    assert resumed.skip_counts == ref_counts[-1] and ref[-1]["epoch"] == 1
+
+
+def test_skip_counts_restore_from_old_states_and_reset(bad_table):
+    loader = _loader(bad_table[0])
+    old = {k: v for k, v in loader.state().items() if k != "skipped"}  # saved before the counts existed
+    old["index"] = 2
+    loader.skip_counts = {"missing": 3}
+    loader.restore(old)
+    assert (loader.index, loader.skip_counts, loader.num_skipped) == (2, {}, 0)
+    loader.restore(dict(old, skipped={"missing": 3, "too_short": 1}))
+    assert loader.skip_counts == {"missing": 3, "too_short": 1} and loader.num_skipped == 4
+    loader.restore(old, reset=True)
+    assert (loader.epoch, loader.index, loader.skip_counts) == (0, 0, {})
+
+
+# ---- nothing left behind ------------------------------------------------------------------------
+
+def test_batches_leave_no_shared_memory_names(dataset):
+    """Batches from worker processes arrive in shared memory; their /dev/shm names are gone once
+    received, so batches still referenced when the process exits leak nothing."""
+    it = iter(_loader(dataset / "meta.csv", num_workers=2))
+    kept = [next(it) for _ in range(3)]
+    it.close()
+    names = [v.shm.name for b in kept for v in b.values() if getattr(v, "shm", None) is not None]
+    assert names  # the video (at least) came through shared memory
+    assert not [n for n in names if os.path.exists(os.path.join("/dev/shm", n.lstrip("/")))]
+    np.testing.assert_array_equal(kept[0]["video"], _take(_loader(dataset / "meta.csv"), 1)[0]["video"])
+
+
+_ITERATE_FOREVER = """
+import sys, time
+from tests.data.test_loader import _loader
+if __name__ == "__main__":
+    it = iter(_loader(sys.argv[1], num_workers=2))
+    next(it)
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(procs):
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_workers_exit_when_the_trainer_is_killed(dataset, tmp_path):
+    import psutil
+
+    script = tmp_path / "iterate.py"
+    script.write_text(_ITERATE_FOREVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(dataset / "meta.csv")], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
+    children = []
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) >= 2  # the two grain workers (and the resource tracker)
+        os.kill(proc.pid, 9)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(children), [c.cmdline() for c in _alive(children)]
+    finally:  # on failure: stop what the test started; the resource tracker then cleans up and exits
+        for p in [proc] + [c for c in _alive(children) if "resource_tracker" not in " ".join(c.cmdline())]:
+            try:
+                p.kill()
+            except Exception:
+                pass
+        proc.stdout.close()
+
+
+_BUILD_INDEX = """
+import sys
+import time
+from jaxsora.data.tables import TableIndex
+index = TableIndex.build(sys.argv[1], progress=False)
+print(index.directory, flush=True)
+if sys.argv[2] == "wait":
+    sys.stdin.read()  # until the test closes stdin (or kills us)
+"""
+
+
+def test_temporary_table_indexes_are_removed_at_exit_and_after_a_kill(dataset, tmp_path, monkeypatch):
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+
+    def start(mode):
+        p = subprocess.Popen([sys.executable, "-c", _BUILD_INDEX, str(dataset / "meta.csv"), mode], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp)},
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return p, p.stdout.readline().strip()
+
+    done, done_dir = start("exit")
+    assert done.wait(timeout=60) == 0 and done_dir.startswith(str(tmp)) and not os.path.exists(done_dir)
+    killed, killed_dir = start("wait")
+    live, live_dir = start("wait")
+    os.kill(killed.pid, 9)
+    killed.wait(timeout=30)
+    assert os.path.isdir(killed_dir) and os.path.isdir(live_dir)  # nobody ran the dead one's exit hooks
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    ours = TableIndex.build(str(dataset / "meta.csv"), progress=False)  # a temporary build sweeps first
+    assert not os.path.exists(killed_dir)  # its owner is dead
+    assert os.path.isdir(live_dir) and os.path.isdir(ours.directory)  # their owners run
+    assert f"jaxsora-table-{os.getpid()}-" in ours.directory
+    live.communicate("", timeout=60)  # a normal exit
+    assert live.returncode == 0 and not os.path.exists(live_dir)

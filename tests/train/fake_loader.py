@@ -15,10 +15,11 @@ except ImportError:  # the data package's exception, once it exists
 class FakeLoader:
     def __init__(self, *, seed=0, data_parallel_size=1, per_device_batch=1, frames=4, size=(16, 16),
                  steps_per_epoch=5, table_id="fake-v1", process_index=0, process_count=1, nan_from_step=None,
-                 text_inputs=None):
+                 text_inputs=None, hang_at_batch=None):
         self.seed, self.dp, self.bs = seed, data_parallel_size, per_device_batch
         self.text_inputs = text_inputs
         self.pi, self.pc, self.nan_from = process_index, process_count, nan_from_step
+        self.hang_at = hang_at_batch  # the loader freezes (the reference's PyAV hang) at this batch
         self.served = 0
         self.frames, self.size, self.n = frames, size, steps_per_epoch
         self.epoch = self.index = 0
@@ -50,6 +51,11 @@ class FakeLoader:
     def __iter__(self):
         while True:
             while self.index < self.n:
+                if self.hang_at is not None and self.served >= self.hang_at:
+                    import time
+
+                    while True:
+                        time.sleep(3600)
                 batch = self._batch(self.epoch, self.index)
                 self.index += 1
                 self.served += 1

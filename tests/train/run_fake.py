@@ -17,6 +17,8 @@ ap.add_argument("--devices", type=int, default=1)
 ap.add_argument("--mesh", default="-1,1,1")
 ap.add_argument("--ckpt-every", type=int, default=3)
 ap.add_argument("--batch", type=int, default=2, help="global batch")
+ap.add_argument("--hang-at", type=int, default=None, help="the loader freezes at this batch")
+ap.add_argument("--watchdog-min", type=float, default=None, help="train.watchdog_min_seconds")
 args = ap.parse_args()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,11 +35,13 @@ from tests.train.fake_loader import FakeLoader  # noqa: E402
 
 cfg = small_config(args.outputs, max_steps=args.max_steps, ckpt_every=args.ckpt_every,
                    mesh=tuple(int(x) for x in args.mesh.split(",")))
+if args.watchdog_min is not None:
+    cfg.train.watchdog_min_seconds = args.watchdog_min
 
 
 def factory(c, dp, text_inputs):
     return FakeLoader(data_parallel_size=dp, per_device_batch=args.batch // dp, process_index=jax.process_index(),
-                      process_count=jax.process_count(), text_inputs=text_inputs)
+                      process_count=jax.process_count(), text_inputs=text_inputs, hang_at_batch=args.hang_at)
 
 
 res = train(cfg, RunOptions(load=args.load), loader_factory=factory)
