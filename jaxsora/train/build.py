@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -99,7 +100,15 @@ class TextInputs:
             y, mask = self.cache.lookup(np.asarray(rows), texts)
             return dict(ids=np.asarray(y, np.float32)[:, 0], text_mask=np.asarray(mask, np.int32))
         ids, mask = self.tokenizer(texts)
-        return dict(ids=np.asarray(ids, np.int32), text_mask=np.asarray(mask, np.int32))
+        mask = np.asarray(mask, np.int32)
+        full = np.nonzero(mask.sum(axis=1) >= mask.shape[1])[0]
+        if len(full) and not getattr(self, "_said_truncated", False):
+            # Said once per process (the loader's workers each say it once): the reference truncates too.
+            self._said_truncated = True
+            print(f"[jaxsora.data] a caption fills all {mask.shape[1]} text tokens (row {int(rows[full[0]])}); longer "
+                  "captions are truncated to the tokenizer's model_max_length, as Open-Sora does", file=sys.stderr,
+                  flush=True)
+        return dict(ids=np.asarray(ids, np.int32), text_mask=mask)
 
 
 @dataclasses.dataclass

@@ -15,10 +15,11 @@ except ImportError:  # the data package's exception, once it exists
 class FakeLoader:
     def __init__(self, *, seed=0, data_parallel_size=1, per_device_batch=1, frames=4, size=(16, 16),
                  steps_per_epoch=5, table_id="fake-v1", process_index=0, process_count=1, nan_from_step=None,
-                 text_inputs=None, hang_at_batch=None):
+                 text_inputs=None, hang_at_batch=None, nan_process=None):
         self.seed, self.dp, self.bs = seed, data_parallel_size, per_device_batch
         self.text_inputs = text_inputs
         self.pi, self.pc, self.nan_from = process_index, process_count, nan_from_step
+        self.nan_process = nan_process  # with nan_from_step: only this process's rows go bad
         self.hang_at = hang_at_batch  # the loader freezes (the reference's PyAV hang) at this batch
         self.served = 0
         self.frames, self.size, self.n = frames, size, steps_per_epoch
@@ -38,7 +39,10 @@ class FakeLoader:
         texts = [f"wave {p:.2f}" for p in phase.ravel()]
         fps = np.full(b, 24.0, np.float32)
         if self.nan_from is not None and self.served >= self.nan_from:
-            fps[:] = np.nan  # a non-finite input → non-finite loss
+            share = b // self.pc
+            bad = slice(None) if self.nan_process is None else slice(self.nan_process * share,
+                                                                     (self.nan_process + 1) * share)
+            fps[bad] = np.nan  # a non-finite input → non-finite loss
         full = dict(video=video, text=np.array(texts, object), fps=fps, height=np.full(b, float(h), np.float32),
                     width=np.full(b, float(w), np.float32), num_frames=np.full(b, t, np.int32),
                     row=np.arange(b) + index * b)

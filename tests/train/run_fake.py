@@ -18,6 +18,8 @@ ap.add_argument("--mesh", default="-1,1,1")
 ap.add_argument("--ckpt-every", type=int, default=3)
 ap.add_argument("--batch", type=int, default=2, help="global batch")
 ap.add_argument("--hang-at", type=int, default=None, help="the loader freezes at this batch")
+ap.add_argument("--nan-from", type=int, default=None, help="batches from this one on are non-finite")
+ap.add_argument("--nan-process", type=int, default=None, help="... only in this process's rows")
 ap.add_argument("--watchdog-min", type=float, default=None, help="train.watchdog_min_seconds")
 args = ap.parse_args()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -29,7 +31,7 @@ from jaxsora.parallel.distributed import initialize  # noqa: E402
 initialize()
 import jax  # noqa: E402
 
-from jaxsora.train.loop import RunOptions, train  # noqa: E402
+from jaxsora.train.loop import NonFiniteError, RunOptions, train  # noqa: E402
 from tests.train.common import small_config  # noqa: E402
 from tests.train.fake_loader import FakeLoader  # noqa: E402
 
@@ -41,9 +43,13 @@ if args.watchdog_min is not None:
 
 def factory(c, dp, text_inputs):
     return FakeLoader(data_parallel_size=dp, per_device_batch=args.batch // dp, process_index=jax.process_index(),
-                      process_count=jax.process_count(), text_inputs=text_inputs, hang_at_batch=args.hang_at)
+                      process_count=jax.process_count(), text_inputs=text_inputs, hang_at_batch=args.hang_at,
+                      nan_from_step=args.nan_from, nan_process=args.nan_process)
 
 
-res = train(cfg, RunOptions(load=args.load), loader_factory=factory)
+try:
+    res = train(cfg, RunOptions(load=args.load), loader_factory=factory)
+except NonFiniteError as e:
+    res = dict(nonfinite_stop=str(e))
 print("RESULT " + json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float, str, bool, type(None)))}),
       flush=True)

@@ -257,3 +257,32 @@ def test_loader_workers_answer_the_watchdog(workspace):
         it.close()
     finally:
         plain_child.kill()
+
+
+def test_a_caption_at_the_token_limit_is_said_once(capsys):
+    from jaxsora.models.t5 import ByteTokenizer
+    from jaxsora.train.build import TextInputs
+
+    inputs = TextInputs(tokenizer=ByteTokenizer(model_max_length=8))
+    out = inputs(["short", "a caption far longer than eight tokens", "another long caption here"], [3, 4, 5])
+    assert out["ids"].shape == (3, 8) and out["text_mask"][1].sum() == 8
+    inputs(["yet another long caption"], [6])
+    err = capsys.readouterr().err
+    assert err.count("truncated") == 1 and "row 4" in err
+
+
+def test_nonfinite_stop_is_the_same_on_every_process(tmp_path):
+    """Only process 1's rows go bad; the loss is a global mean, its metrics replicated: both processes
+    reject the same steps and stop at the same step, naming the same checkpoint."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "50", "--devices", "1", "--batch", "2",
+                               "--ckpt-every", "2", "--nan-from", "3", "--nan-process", "1"],
+                              env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                                   "JAX_PROCESS_ID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    results = [json.loads(o.split("RESULT ", 1)[1].splitlines()[0]) for o in outs]
+    assert "nonfinite_stop" in results[0] and results[0] == results[1]
+    assert "stopping at step 3" in results[0]["nonfinite_stop"] and "checkpoints/2" in results[0]["nonfinite_stop"]
