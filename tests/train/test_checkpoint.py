@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsora import ckpt as ckpt_cli
 from jaxsora.train import checkpoint as ck
+from jaxsora.train import fingerprint as fp
 from jaxsora.train.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError, Checkpointer,
                                       resolve_checkpoint, restore)
 from tests.train.common import REPO
@@ -94,40 +95,40 @@ def test_device_fingerprint_equals_host_fingerprint(dtype):
     for shape, spec in [((), P()), ((5,), P()), ((16, 3), P("fsdp")), ((8, 4, 5), P(None, None))]:
         x = jnp.asarray(rng.standard_normal(shape) * 100).astype(dtype)
         arr = jax.device_put(x, NamedSharding(mesh, spec))
-        names, info, dev = ck.device_fingerprints({"a": arr})
+        names, info, dev = fp.device_fingerprints({"a": arr})
         assert names == ["a"] and info == [dict(shape=list(shape), dtype=dtype)]
-        assert ck.fetch_fingerprints(dev) == [ck.format_fingerprint(ck.host_fingerprint(np.asarray(x)))], shape
+        assert fp.fetch_fingerprints(dev) == [fp.format_fingerprint(fp.host_fingerprint(np.asarray(x)))], shape
 
 
 def test_fingerprint_of_8_byte_dtypes_with_x64():
     with jax.enable_x64(True):
         for dtype in ("float64", "int64", "uint64"):
             x = (np.arange(-6, 6).reshape(3, 4) * 1e9 + 0.25).astype(dtype)
-            dev = ck.fetch_fingerprints(ck.device_fingerprints([jnp.asarray(x)])[2])
-            assert dev == [ck.format_fingerprint(ck.host_fingerprint(x))], dtype
+            dev = fp.fetch_fingerprints(fp.device_fingerprints([jnp.asarray(x)])[2])
+            assert dev == [fp.format_fingerprint(fp.host_fingerprint(x))], dtype
 
 
 def test_fingerprint_is_layout_independent_and_position_sensitive():
     x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
-    fps = {ck.fetch_fingerprints(ck.device_fingerprints([jax.device_put(x, NamedSharding(_mesh(n), spec))])[2])[0]
+    fps = {fp.fetch_fingerprints(fp.device_fingerprints([jax.device_put(x, NamedSharding(_mesh(n), spec))])[2])[0]
            for n, spec in [(1, P()), (8, P("fsdp")), (8, P(None, "fsdp")), (4, P("fsdp"))]}
     assert len(fps) == 1  # the same on every mesh and sharding
-    base = ck.host_fingerprint(x)
+    base = fp.host_fingerprint(x)
     flipped = x.copy()
     flipped.view(np.uint32)[10, 3] ^= 1 << 7  # one bit
     swapped = x.copy()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same values elsewhere
-    assert ck.host_fingerprint(flipped) != base and ck.host_fingerprint(swapped) != base
-    assert ck.host_fingerprint(x.reshape(32, 64)) == base  # the shape is recorded beside it
+    assert fp.host_fingerprint(flipped) != base and fp.host_fingerprint(swapped) != base
+    assert fp.host_fingerprint(x.reshape(32, 64)) == base  # the shape is recorded beside it
 
 
 def test_fingerprint_function_traces_once_per_tree(tmp_path):
     mesh = _mesh(8)
     leaves = jax.tree.leaves(_state(1, mesh))
-    fn = ck._fingerprint_fn(leaves)
+    fn = fp._fingerprint_fn(leaves)
     before = fn._cache_size()
     for k in (2, 3, 4):
-        ck.device_fingerprints(_state(k, mesh))
+        fp.device_fingerprints(_state(k, mesh))
     assert fn._cache_size() - before <= 1
 
 
@@ -141,8 +142,8 @@ def test_save_writes_integrity_record(tmp_path):
     assert rec["complete"] is True and rec["step"] == 1 and rec["jaxsora"]
     state = _state(1, mesh)
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    assert sorted(rec["arrays"]) == sorted(ck.array_name(p) for p, _ in flat)
-    assert rec["arrays"]["params.w"]["fingerprint"] == ck.format_fingerprint(ck.host_fingerprint(state["params"]["w"]))
+    assert sorted(rec["arrays"]) == sorted(fp.array_name(p) for p, _ in flat)
+    assert rec["arrays"]["params.w"]["fingerprint"] == fp.format_fingerprint(fp.host_fingerprint(state["params"]["w"]))
     assert rec["arrays"]["opt_state.1.mask"]["dtype"] == "int8"
     assert set(rec["json_sha256"]) == {"config", "data", "meta"}
     assert not glob.glob(str(tmp_path / f"*{ck.TMP_SUFFIX}*"))
