@@ -286,3 +286,28 @@ def test_nonfinite_stop_is_the_same_on_every_process(tmp_path):
     results = [json.loads(o.split("RESULT ", 1)[1].splitlines()[0]) for o in outs]
     assert "nonfinite_stop" in results[0] and results[0] == results[1]
     assert "stopping at step 3" in results[0]["nonfinite_stop"] and "checkpoints/2" in results[0]["nonfinite_stop"]
+
+
+def test_other_commands_report_user_errors_in_one_line(workspace):
+    ws = str(workspace)
+    cases = [
+        (["jaxsora.sample", "--ckpt", f"{ws}/nowhere", "--prompt", "x"], "not found"),
+        (["jaxsora.sample", "--ckpt", f"{ws}/data", "--prompt-file", f"{ws}/none.txt"], "none.txt"),
+        (["jaxsora.convert", "to-torch", f"{ws}/nowhere", f"{ws}/x.safetensors"], "not found"),
+        (["jaxsora.convert", "from-torch", f"{ws}/weights.txt", f"{ws}/o"], "unknown weights format"),
+        (["jaxsora.ckpt", "verify", f"{ws}/data"], "no checkpoint"),
+        (["jaxsora.tools.search_bs", "--config", DEMO, "--config.data.lrr=1"], "data.lrr"),
+        (["data_tools.precompute", "--table", f"{ws}/none.csv", "--text-encoder", "{}", "--out", f"{ws}/c"],
+         "none.csv"),
+        (["data_tools.meta", "--input", f"{ws}/none.csv", "--output", f"{ws}/m.csv"], "none.csv"),
+        (["data_tools.shard", "--input", f"{ws}/none.csv", "--num-shards", "2"], "none.csv"),
+    ]
+
+    def invoke(args):
+        return subprocess.run([sys.executable, "-m", *args], env=ENV, capture_output=True, text=True, timeout=300,
+                              cwd=REPO)
+
+    with cf.ThreadPoolExecutor(3) as ex:
+        results = list(ex.map(lambda c: invoke(c[0]), cases))
+    for (args, needle), r in zip(cases, results):
+        _assert_one_line(r, needle, args[:2])
