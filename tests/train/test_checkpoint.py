@@ -447,7 +447,9 @@ def test_training_resumes_past_a_corrupt_checkpoint(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert res["steps"] == 7
     assert "resumed" in out and "at step 3" in out
-    assert "[jaxsora] checkpoint step 6 skipped: checksum mismatch in " in err and "; trying step 3" in err
+    # flipped bytes in zstd-compressed chunks fail either the checksum or the decompression
+    assert "[jaxsora] checkpoint step 6 skipped: " in err and "; trying step 3" in err
+    assert "checksum mismatch in " in err or "unreadable" in err
     _no_traceback(err)
     assert ckpt_cli.main(["verify", str(root)]) == 0  # step 6 was written again, intact
 
