@@ -41,11 +41,11 @@ import time
 
 import numpy as np
 
+from jaxsora.train.mfu import device_peak_flops, forward_flops
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-PEAK_TFLOPS = {("h100", "bfloat16"): 989.0, ("h100", "float32"): 495.0, ("h200", "bfloat16"): 989.0,
-               ("h200", "float32"): 495.0}
 REALISTIC = dict(depth=4, hidden_size=384, num_heads=6, patch_size=(1, 2, 2), in_channels=4, caption_channels=4096,
                  model_max_length=300)
 
@@ -75,19 +75,6 @@ def model_config(s: Shape, attention="auto"):
 
     return get_model_config(s.model, compute_dtype=s.dtype, remat=s.remat, scan_blocks=s.scan,
                             attention_impl=attention, **s.overrides)
-
-
-def forward_flops(cfg, t: int, h: int, w: int, text_len: int) -> float:
-    pt, ph, pw = cfg.patch_size
-    tt, hh, ww = -(-t // pt), -(-h // ph), -(-w // pw)
-    s, n, c, L = hh * ww, tt * hh * ww, cfg.hidden_size, text_len
-    per_block = 28 * n * c * c + 4 * L * c * c + 4 * n * L * c
-    spatial = per_block + 4 * tt * s * s * c
-    temporal = per_block + 4 * s * tt * tt * c
-    p = pt * ph * pw
-    extra = (2 * n * p * cfg.in_channels * c + 2 * n * c * p * cfg.out_channels
-             + 2 * L * (cfg.caption_channels * c + c * c))
-    return float(cfg.depth * (spatial + temporal) + extra)
 
 
 def tokens(cfg, latent, batch) -> int:
@@ -145,11 +132,11 @@ def bench_jax(s: Shape, args) -> dict:
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
-    model_flops = 3 * forward_flops(cfg, *s.latent, cfg.model_max_length) * s.batch
+    model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
     n_dev = mesh.devices.size
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
     kind = jax.devices()[0].device_kind.lower()
-    peak = args.peak_tflops or next((v for (k, d), v in PEAK_TFLOPS.items() if k in kind and d == s.dtype), None)
+    peak = args.peak_tflops or ((device_peak_flops(kind, s.dtype) or 0) / 1e12 or None)
     return dict(impl="jaxsora (JAX)", device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
                 compile_s=info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
@@ -206,7 +193,7 @@ def bench_reference(s: Shape, args) -> dict:
     if out.returncode:
         raise RuntimeError(f"reference step failed:\n{out.stderr[-3000:]}")
     r = json.loads(out.stdout.split("REF ", 1)[1])
-    model_flops = 3 * forward_flops(cfg, *s.latent, cfg.model_max_length) * s.batch
+    model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
     return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=r["step_s"],
                 compile_s=None, tokens_per_s=tokens(cfg, s.latent, s.batch) / r["step_s"],
                 model_tflops=model_flops / r["step_s"] / 1e12, xla_tflops=None, mfu=None, peak_gib=None, loss=None)

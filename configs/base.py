@@ -20,6 +20,18 @@ STAGE1_BUCKETS = {
     "2048": {1: (0.1, 5)},
 }
 
+# Open-Sora 1.2 configs/opensora-v1-2/misc/eval_loss.py batch sizes (per device here; a bucket's last batch
+# is padded, so a small held-out table loses no rows on a large mesh).
+EVAL_BUCKETS = {
+    "144p": {1: (1.0, 100), 51: (1.0, 30), 102: (1.0, 20), 204: (1.0, 8), 408: (1.0, 4)},
+    "240p": {1: (1.0, 100), 51: (1.0, 24), 102: (1.0, 12), 204: (1.0, 4), 408: (1.0, 2)},
+    "360p": {1: (1.0, 60), 51: (1.0, 12), 102: (1.0, 6), 204: (1.0, 2), 408: (1.0, 1)},
+    "480p": {1: (1.0, 40), 51: (1.0, 6), 102: (1.0, 3), 204: (1.0, 1)},
+    "720p": {1: (1.0, 20), 51: (1.0, 2), 102: (1.0, 1)},
+    "1080p": {1: (1.0, 10)},
+    "2048": {1: (1.0, 5)},
+}
+
 # Open-Sora 1.2 stage 1 mask_ratios (identity = the rest, 0.80).
 STAGE1_MASKS = {
     "random": 0.05, "intepolate": 0.005, "quarter_random": 0.005, "quarter_head": 0.005, "quarter_tail": 0.005,
@@ -62,7 +74,7 @@ def get_config():
         num_workers=8,                  # grain worker processes decoding batches (0: in the train process)
         decode_threads=1,               # grain read threads per process (batches decoded side by side)
         prefetch=2,                     # batches buffered ahead, per worker
-        index_dir="",                   # table index folder ("": <run>/table_index); reused while the table is unchanged
+        index_dir="",                   # table index folder ("": <run>/table_index); reused while unchanged
         seed=42,
     ))
     c.scheduler = mlc.ConfigDict(dict(
@@ -88,6 +100,23 @@ def get_config():
         check_memory=True,              # compile every bucket before step 0; refuse buckets that do not fit
         device_memory_gib=0.0,          # > 0: plan for this much per device (e.g. 80 for an H100 from a CPU dry run)
         compile_threads=0,              # parallel bucket compiles (0: min(8, CPUs))
+        peak_flops=0.0,                 # > 0: peak FLOP/s per device for the logged MFU (0: H100/H200/A100 table;
+                                        # unknown devices and CPU log no MFU)
+    ))
+    # Validation loss on a held-out table (Open-Sora 1.2 eval/loss/eval_loss.py, spec §2.3): fixed timesteps,
+    # fixed noise, per (resolution, num_frames) bucket; see jaxsora/train/eval.py. Off while table is "".
+    c.eval = mlc.ConfigDict(dict(
+        table="",                       # held-out CSV/parquet table ("": no eval)
+        every=0,                        # steps between evals (0: none during training)
+        at_start=False,                 # also evaluate the weights a run starts from (runs starting at step 0)
+        at_end=True,                    # also evaluate after the last step
+        num_timesteps=10,               # t = linspace(0, 1000, n + 2)[1:-1], as the reference
+        bucket_config=EVAL_BUCKETS,     # {res: {frames: (keep_prob, per-device batch)}}; every row that fits counts
+        max_batches_per_bucket=0,       # cap per (res, frames) bucket (0: every row of the table)
+        use_ema=False,                  # False: the trained params (as the reference's eval); True: the EMA
+        seed=42,                        # the eval's noise, VAE samples and temporal crops (misc/eval_loss.py: 42)
+        decode_threads=2,               # batches decoded ahead while the device evaluates
+        text_cache="",                  # with data.text_cache: the eval table's cached text states
     ))
     c.wandb = mlc.ConfigDict(dict(enabled=False, project="jaxsora", mode="online", name=""))
     c.sample = mlc.ConfigDict(dict(num_frames=51, height=240, width=426, fps=24))

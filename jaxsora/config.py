@@ -55,6 +55,12 @@ RANGES = {
     "data.seed": (0, None, ""),
     "model.class_dropout_prob": (0.0, 1.0, ""),
     "model.remat_blocks": (-1, None, "-1: all block pairs"),
+    "eval.every": (0, None, "steps between validation losses; 0: none during training"),
+    "eval.num_timesteps": (1, None, "fixed timesteps of the validation loss"),
+    "eval.max_batches_per_bucket": (0, None, "0: every row of the eval table"),
+    "eval.seed": (0, 2**31 - 1, ""),
+    "eval.decode_threads": (1, None, ""),
+    "train.peak_flops": (0.0, None, "peak FLOP/s per device for MFU; 0: the device table"),
     "scheduler.scale": (0.0, None, "must be > 0"),
     "scheduler.transform_scale": (0.0, None, "must be > 0"),
 }

@@ -1,126 +1,219 @@
-"""`python -m jaxsora.sample`: text-to-video with a trained jaxsora checkpoint.
+"""`python -m jaxsora.sample CKPT`: text/image-to-video with a jaxsora checkpoint, with Open-Sora
+1.2's inference options (`scripts/inference.py`; spec §2.4, §8).
 
-    python -m jaxsora.sample --ckpt outputs/demo/checkpoints --prompt "a red circle moving right" \
-        --out samples/ [--ema] [--num-frames 16 --height 32 --width 32] [--steps 30 --cfg 7.0 --seed 1024]
+    python -m jaxsora.sample outputs/demo --prompt "a red circle moving right" --image-size 32 32 --num-frames 8
+    python -m jaxsora.sample ckpt/ --vae pretrained_models/OpenSora-VAE-v1.2 \\
+        --text-encoder pretrained_models/t5-v1_1-xxl --prompt-path prompts.txt \\
+        --num-frames 4s --resolution 720p --aspect-ratio 9:16 --save-dir samples/
 
-The model, VAE and text encoder are rebuilt from the config stored in the checkpoint. Sampling is
-Open-Sora 1.2's RFLOW (spec §2.4): timestep-shifted Euler steps with classifier-free guidance
-against the model's null caption. Videos are written as h264 mp4 (PyAV), single frames as png.
+CKPT: a training run folder, its checkpoints/, one step folder, or a `convert from-torch` output
+(which has no run config: then --vae and --text-encoder are required). The run config supplies the
+VAE, the text encoder, the timestep-shift switch and — when no size/length/fps flag is given — the
+sample size of its `sample` section; otherwise Open-Sora's defaults (240p 9:16, 51 frames, 24 fps,
+30 steps, CFG 7.0, aesthetic score 6.5). Each video is written as sample_NNNN.mp4 (one frame:
+.png) with a sample_NNNN.json sidecar (prompts as given and as fed, seed, settings, checkpoint).
+
+Seeds: the noise of each prompt depends only on --seed, the prompt text and how many times that
+same prompt came before it (so a prompt gives the same video alone or among others).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
 from typing import Optional, Sequence
-
-import numpy as np
 
 from jaxsora.errors import BadInput, MissingFile, run_cli
 
 
-def to_uint8_frames(video: np.ndarray) -> np.ndarray:
-    """[3, T, H, W] in [-1, 1] → [T, H, W, 3] uint8 (clamped, as the reference's save_sample)."""
-    v = np.clip((np.asarray(video, np.float32) + 1) / 2, 0, 1)
-    return np.round(np.transpose(v, (1, 2, 3, 0)) * 255).astype(np.uint8)
+_UNSET = object()  # --aes/--flow not given (None means "append nothing")
 
 
-def write_video(frames: np.ndarray, path: str, fps: float = 24) -> str:
-    """Write [T, H, W, 3] uint8 as h264 mp4 (or one frame as png). Returns the path written."""
-    from jaxsora.data.video import write_mp4
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake as one line (exit code 2 through run_cli)."""
 
-    if frames.shape[0] == 1:
-        from PIL import Image
-
-        path = os.path.splitext(path)[0] + ".png"
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        Image.fromarray(frames[0]).save(path)
-        return path
-    return write_mp4(frames, path, fps)
+    def error(self, message):
+        raise BadInput(f"{message} (see --help)")
 
 
-def _slug(text: str, n: int = 40) -> str:
-    return re.sub(r"[^a-zA-Z0-9]+", "_", text).strip("_")[:n] or "sample"
+def _score(v: str):
+    if v.lower() in ("none", "off", ""):
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {v!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m jaxsora.sample", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("checkpoint")
+    g.add_argument("ckpt", nargs="?", help="run folder, checkpoints/ folder, step folder or converted checkpoint")
+    g.add_argument("--ckpt-path", "--ckpt", dest="ckpt_opt", metavar="CKPT", help="the same as the positional CKPT")
+    g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    g.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
+                   help="use the EMA weights when the checkpoint has them (default; --no-ema: the params)")
+    g.add_argument("--vae", default=None,
+                   help="PATH (OpenSora VAE v1.2 weights), identity[:T,H,W] (pixel space) or a JSON config group "
+                        "(default: the run config's)")
+    g.add_argument("--text-encoder", default=None,
+                   help="PATH (a T5 folder), tiny (random byte-level encoder) or a JSON config group "
+                        "(default: the run config's)")
+    g.add_argument("--dtype", default=None, help="model compute dtype: bf16, fp32 (default: the checkpoint's)")
+    g.add_argument("--dp-size", type=int, default=None, help="devices on the data axis (default: all / sp-size)")
+    g.add_argument("--sp-size", type=int, default=1, help="devices on the sequence axis (Ulysses), default 1")
+
+    g = ap.add_argument_group("prompts")
+    g.add_argument("--prompt", action="extend", nargs="+", default=[], help="prompt(s); repeatable")
+    g.add_argument("--prompt-path", "--prompt-file", dest="prompt_path", help="a text file, one prompt a line")
+    g.add_argument("--start-index", type=int, default=0, help="first line of --prompt-path (and first file number)")
+    g.add_argument("--end-index", type=int, default=None, help="line after the last one of --prompt-path")
+    g.add_argument("--num-sample", type=int, default=1, help="videos per prompt (names get -k)")
+    g.add_argument("--aes", type=_score, default=_UNSET, help="aesthetic score appended (default 6.5; none: off)")
+    g.add_argument("--flow", type=_score, default=_UNSET, help="motion score appended (default none)")
+    g.add_argument("--camera-motion", default=None, help="camera motion appended (e.g. 'pan left')")
+
+    g = ap.add_argument_group("size and length")
+    g.add_argument("--resolution", default=None, help="144p, 240p, 360p, 480p, 720p, 1080p, 2k, 4k, 256, 512, ...")
+    g.add_argument("--aspect-ratio", default=None, help="h:w name (9:16 = landscape 240×426 at 240p, 16:9, 1:1, "
+                                                         "3:4, 4:3, ...) or an H/W key such as 0.56")
+    g.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), default=None, help="instead of the two above")
+    g.add_argument("--height", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--num-frames", default=None, help="frames, or a duration: 2s=51, 4s=102, 8s=204, 16s=408, 1x...")
+    g.add_argument("--fps", type=float, default=None, help="fps told to the model and of the mp4 (default 24)")
+    g.add_argument("--save-fps", type=float, default=None, help="fps of the mp4 (default: --fps)")
+
+    g = ap.add_argument_group("sampling")
+    g.add_argument("--num-sampling-steps", "--steps", dest="num_sampling_steps", type=int, default=30)
+    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=7.0)
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--batch-size", type=int, default=1)
+
+    g = ap.add_argument_group("conditioning (image-to-video, extension)")
+    g.add_argument("--reference-path", nargs="+", default=None,
+                   help="reference image/video per prompt (one for all, or one per prompt; ';' separates several)")
+    g.add_argument("--mask-strategy", nargs="+", default=None,
+                   help="per prompt: ';'-separated groups loop_id,ref_id,ref_start,target_start,length,edit_ratio "
+                        "(defaults 0,0,0,0,1,0; '0' = first frame from the first reference)")
+    g.add_argument("--loop", type=int, default=1, help="clips chained, each on the last frames of the previous one")
+    g.add_argument("--condition-frame-length", type=int, default=5, help="latent frames carried over per loop")
+    g.add_argument("--condition-frame-edit", type=float, default=0.0)
+    g.add_argument("--align", type=int, default=None,
+                   help="snap mask-strategy starts to multiples of this many latent frames (default: the VAE's "
+                        "chunk, 5 for the OpenSora VAE)")
+
+    g = ap.add_argument_group("output")
+    g.add_argument("--save-dir", "--out", dest="save_dir", default="./samples/samples/")
+    g.add_argument("--sample-name", default=None, help="file-name prefix (default 'sample')")
+    g.add_argument("--prompt-as-path", action="store_true", help="name the files after the prompts")
+    g.add_argument("--verbose", type=int, default=1, help="0: quiet, 1: progress bars (default)")
+    g.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    return ap
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_path:
+        if not os.path.isfile(args.prompt_path):
+            raise MissingFile(f"--prompt-path: no such file {args.prompt_path}")
+        with open(args.prompt_path) as f:
+            lines = [ln.strip() for ln in f]
+        prompts += [p for p in lines[args.start_index:args.end_index] if p]
+    if not prompts:
+        raise BadInput("give at least one --prompt or a --prompt-path file")
+    return prompts
+
+
+def make_settings(args, run_config: Optional[dict]):
+    """SampleSettings from the flags; what is not given comes from the run config's `sample`
+    section (size, frames, fps, aes/flow) or Open-Sora's defaults."""
+    from jaxsora.infer.pipeline import default_settings
+
+    kw = dict(num_sampling_steps=args.num_sampling_steps, cfg_scale=args.cfg_scale, seed=args.seed,
+              batch_size=args.batch_size, loop=args.loop, condition_frame_length=args.condition_frame_length,
+              condition_frame_edit=args.condition_frame_edit, align=args.align, camera_motion=args.camera_motion,
+              save_fps=args.save_fps, reference_path=args.reference_path, mask_strategy=args.mask_strategy)
+    if (args.height is None) != (args.width is None):
+        raise BadInput("--height and --width go together (or use --image-size H W)")
+    if args.image_size is not None or args.height is not None:
+        if args.resolution or args.aspect_ratio:
+            raise BadInput("give --image-size or --resolution/--aspect-ratio, not both")
+        kw["image_size"] = tuple(args.image_size) if args.image_size is not None else (args.height, args.width)
+    elif args.resolution or args.aspect_ratio:
+        kw.update(image_size=None, resolution=args.resolution or "240p", aspect_ratio=args.aspect_ratio or "9:16")
+    if args.num_frames is not None:
+        kw["num_frames"] = int(args.num_frames) if str(args.num_frames).isdigit() else args.num_frames
+    if args.fps is not None:
+        kw["fps"] = args.fps
+    if args.aes is not _UNSET:
+        kw["aes"] = args.aes
+    if args.flow is not _UNSET:
+        kw["flow"] = args.flow
+    return default_settings(run_config, **kw)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.sample", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, help="jaxsora checkpoint folder (training outputs/.../checkpoints)")
-    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    ap.add_argument("--prompt-file", help="a text file with one prompt per line")
-    ap.add_argument("--out", default="samples", help="output folder")
-    ap.add_argument("--ema", action="store_true", help="use the EMA weights")
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-    ap.add_argument("--num-frames", type=int, default=None, help="pixel frames (default: the config's sample setting)")
-    ap.add_argument("--height", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--fps", type=float, default=None)
-    ap.add_argument("--steps", type=int, default=30, help="sampling steps (Open-Sora 1.2 inference: 30)")
-    ap.add_argument("--cfg", type=float, default=7.0, help="CFG scale (Open-Sora 1.2 inference: 7.0)")
-    ap.add_argument("--seed", type=int, default=1024, help="noise seed (Open-Sora 1.2 always uses 1024)")
-    args = ap.parse_args(argv)
-
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        if not os.path.isfile(args.prompt_file):
-            raise MissingFile(f"--prompt-file: no such file {args.prompt_file}")
-        with open(args.prompt_file) as f:
-            prompts += [ln.strip() for ln in f if ln.strip()]
-    if not prompts:
-        ap.error("give at least one --prompt or a --prompt-file")
+    args = build_parser().parse_args(argv)
+    prompts = read_prompts(args)
+    ckpt = args.ckpt_opt or args.ckpt
+    if args.ckpt and args.ckpt_opt and args.ckpt != args.ckpt_opt:
+        raise BadInput(f"two checkpoints given ({args.ckpt} and --ckpt-path {args.ckpt_opt})")
+    if not ckpt:
+        raise BadInput("give a checkpoint: python -m jaxsora.sample CKPT (a run folder, checkpoints/, a step folder "
+                       "or a converted checkpoint)")
+    if args.num_sample < 1:
+        raise BadInput(f"--num-sample must be at least 1, got {args.num_sample}")
 
     import jax
-    import jax.numpy as jnp
 
     import jaxsora  # noqa: F401
-    from jaxsora.convert import native
-    from jaxsora.diffusion import rflow
-    from jaxsora.train.build import build_text_encoder_from_config, build_vae_from_config
+    from jaxsora.infer import options as opt
+    from jaxsora.infer.pipeline import Pipeline, default_mesh, find_step_dir, read_run_config, write_samples
 
-    step_dir = native.resolve_step_dir(args.ckpt, args.step)
-    stored = native.read_config(step_dir)
-    model = native.load_model(step_dir, ema=args.ema)
-    cfg = stored.get("config", stored)
-    sample_cfg = cfg.get("sample", {}) if isinstance(cfg, dict) else {}
-    num_frames = args.num_frames or sample_cfg.get("num_frames", 16)
-    height = args.height or sample_cfg.get("height", 64)
-    width = args.width or sample_cfg.get("width", 64)
-    fps = args.fps or sample_cfg.get("fps", 24)
+    step_dir = find_step_dir(ckpt, args.step)
+    run_config = read_run_config(step_dir)
+    settings = make_settings(args, run_config)
+    # Everything about the settings is checked before any weight is read.
+    extra = ((run_config or {}).get("data") or {}).get("resolutions") or None
+    settings.validate(extra)
+    prompts = [p for p in prompts for _ in range(args.num_sample)]
+    refs = opt.per_prompt(settings.reference_path, len(prompts), "--reference-path")
+    strategies = opt.per_prompt(settings.mask_strategy, len(prompts), "--mask-strategy")
+    for i, p in enumerate(prompts):
+        _, info = opt.extract_json(p)
+        ms, ref = info.get("mask_strategy", strategies[i]), info.get("reference_path", refs[i])
+        opt.check_references(ms, ref, settings.loop, where=f" (prompt {i})")
+        for path in filter(None, (ref or "").split(";")):
+            if not os.path.isfile(path):
+                raise MissingFile(f"--reference-path: no such file {path}")
+        opt.split_prompt(opt.extract_json(p)[0])
 
-    if not isinstance(cfg, dict) or "vae" not in cfg or "text_encoder" not in cfg:
-        raise BadInput(f"{step_dir} has no run config naming the VAE and text encoder (a checkpoint converted from "
-                       "PyTorch?); sample from a training checkpoint")
-    vae = build_vae_from_config(cfg["vae"])
-    text_encoder = build_text_encoder_from_config(cfg["text_encoder"])
-    y, mask = text_encoder.encode(prompts)
-    b = len(prompts)
-    lt, lh, lw = vae.get_latent_size((num_frames, height, width))
-    key = jax.random.key(args.seed)
-    z = jax.random.normal(key, (b, vae.out_channels, lt, lh, lw), jnp.float32)
-    hw = dict(height=jnp.full((b,), height, jnp.float32), width=jnp.full((b,), width, jnp.float32),
-              num_frames=jnp.full((b,), num_frames, jnp.float32))
-    cond = dict(y=jnp.asarray(y), mask=jnp.asarray(mask), fps=jnp.full((b,), fps, jnp.float32),
-                height=hw["height"], width=hw["width"])
-    null_y = jnp.broadcast_to(model.y_embedder.y_embedding[...][None, None], y.shape)
-    latents = rflow.sample(
-        model, z, cond, null_y, key=jax.random.fold_in(key, 1),
-        num_sampling_steps=args.steps, cfg_scale=args.cfg, height=hw["height"], width=hw["width"],
-        num_frames=hw["num_frames"],
-        use_timestep_transform=bool(cfg.get("scheduler", {}).get("use_timestep_transform", True)),
-    )
-    videos = np.asarray(vae.decode(latents, num_frames))
-    written = []
-    for i, prompt in enumerate(prompts):
-        path = write_video(to_uint8_frames(videos[i]), os.path.join(args.out, f"{i:03d}_{_slug(prompt)}.mp4"), fps)
-        written.append(path)
+    if args.sp_size < 1 or (args.dp_size is not None and args.dp_size < 1):
+        raise BadInput("--dp-size and --sp-size must be positive")
+    mesh = default_mesh(args.dp_size, args.sp_size)
+    pipe = Pipeline.load(step_dir, ema=args.ema, vae=args.vae, text_encoder=args.text_encoder, mesh=mesh,
+                         dtype=args.dtype)
+    if args.verbose >= 1:
+        print(f"[jaxsora.sample] {pipe.step_dir} (step {pipe.step}, {pipe.weights} weights), "
+              f"{len(prompts)} video(s), mesh {dict(mesh.shape)}", file=sys.stderr, flush=True)
+    try:
+        videos = pipe.generate(prompts, settings, progress=args.verbose >= 1)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        r = settings.validate(extra)
+        raise BadInput(f"out of device memory sampling {r.num_frames}×{r.height}×{r.width} with "
+                       f"{pipe.rows(settings.batch_size, len(prompts))} row(s) per batch: lower --batch-size, "
+                       "--resolution or --num-frames, or spread each video with --sp-size") from None
+    if jax.process_index() != 0:
+        return 0
+    written = write_samples(videos, prompts, settings, args.save_dir, pipe.meta(), start_index=args.start_index,
+                            prefix=args.sample_name or "sample", num_sample=args.num_sample,
+                            prompt_as_path=args.prompt_as_path)
+    for i, (prompt, path) in enumerate(zip(prompts, written)):
         print(f"[{i}] {prompt!r} → {path}")
-    with open(os.path.join(args.out, "samples.json"), "w") as f:
-        json.dump({"ckpt": step_dir, "ema": args.ema, "prompts": prompts, "files": written, "steps": args.steps,
-                   "cfg": args.cfg, "seed": args.seed, "num_frames": num_frames, "height": height, "width": width}, f,
-                  indent=1)
     return 0
 
 

@@ -5,7 +5,8 @@ x_t = (1 − τ)·x₀ + τ·ε, and the model predicts the velocity v = x₀ �
 its output; STDiT3's other C channels are unused). Noise and timesteps always come from a
 `jax.random` key; nothing draws from global state.
 
-`training_loss` and `sample` here are THE functions `jaxsora.train` and `jaxsora.sample` call.
+`training_loss` is THE function `jaxsora.train` calls; `denoise` (the loop of `sample`, jitted by the
+caller) is what `jaxsora.infer` / `python -m jaxsora.sample` run.
 
 Deliberate differences from the reference (everything else is equal to it, see tests/diffusion):
 - `timestep_transform` counts at least 1 latent frame. The reference maps 1 < frames < 17 to
@@ -208,6 +209,21 @@ def _cfg_cond(cond: dict, null_y):
     return out
 
 
+def _is_key_batch(key) -> bool:
+    """A [B] array of typed `jax.random` keys (one per sample), as opposed to one key."""
+    return (key is not None and jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
+            and jnp.ndim(key) == 1)
+
+
+def _step_noise(key, i, shape):
+    """Re-noising draw of step i: from `fold_in(key, i)`, or with a [B] batch of keys, sample b's
+    from `fold_in(key[b], i)` — then each sample's draws depend on its own key only, not on the
+    batch it is in (what `jaxsora.infer` uses for per-prompt reproducibility)."""
+    if _is_key_batch(key):
+        return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, i), shape[1:], jnp.float32))(key)
+    return jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+
+
 def _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress):
     """The jit-friendly body of `sample` (see there). ts: [steps, B]."""
     steps, b = ts.shape
@@ -234,8 +250,7 @@ def _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, c
             # RFLOW.sample: a frame is generated at this step iff mask·1000 ≥ t; frames that newly
             # qualify are re-noised to level t from the current z; the rest stay the reference.
             x0 = z
-            eps = step_noise[i] if step_noise is not None else jax.random.normal(
-                jax.random.fold_in(key, i), z.shape, jnp.float32)
+            eps = step_noise[i] if step_noise is not None else _step_noise(key, i, z.shape)
             upper = mask * NUM_TIMESTEPS >= t[:, None]  # [B, T]
             kwargs["x_mask"] = jnp.concatenate([upper, upper], 0)
             fresh = upper & ~noise_added
@@ -254,6 +269,18 @@ def _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, c
     noise_added = (mask == 1) if mask is not None else jnp.zeros((b, z.shape[2]), bool)
     z, _ = jax.lax.fori_loop(0, steps, body, (z, noise_added))
     return z
+
+
+def denoise(model_fn: ModelFn, z, cond: dict, null_y, ts, *, key=None, cfg_scale=DEFAULT_CFG_SCALE, mask=None,
+            x_cond=None, step_noise=None, progress=None):
+    """The sampling loop alone, for callers that jit it themselves (`jaxsora.infer`): `sample`
+    without the schedule and the jit. ts: [steps, B] model timesteps (`sampling_timesteps`);
+    key: one key or a [B] array of per-sample keys (see `_step_noise`), used only with a mask;
+    progress: None or a `_HostProgress`. Returns z [B, C, T, H, W] float32."""
+    if mask is not None and step_noise is None and key is None:
+        raise ValueError("denoise: an edit mask re-noises frames; pass key= (a jax.random key) or step_noise=")
+    return _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise,
+                        jnp.asarray(cfg_scale, jnp.float32), progress)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "progress"))
@@ -282,7 +309,8 @@ def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps:
     x_cond: [B, C, T, H, W] reference latents written into z where mask < 1 (image-to-video,
         extension); None = z already holds them.
     key: `jax.random` key for the re-noising of edited frames (only used with a mask; step i uses
-        `fold_in(key, i)`); step_noise: optional explicit [steps, B, C, T, H, W] noise instead.
+        `fold_in(key, i)`), or a [B] array of keys (sample b: `fold_in(key[b], i)`, independent of
+        the batch); step_noise: optional explicit [steps, B, C, T, H, W] noise instead.
     Progress: `jax.debug.callback` from inside the loop into a host tqdm bar (progress=True).
 
     Schedule: `sampling_timesteps(...)`; update z += v̂·(t_i − t_{i+1})/1000 (last step to 0);

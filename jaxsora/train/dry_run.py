@@ -1,6 +1,7 @@
 """`python -m jaxsora.train ... --dry-run`: validate the config, the table and the bucket plan, and
 compile the real train step for every bucket of the plan — printing what each needs per device —
-without reading encoder weights, allocating the train state or training."""
+without reading encoder weights, allocating the train state or training. With `eval.table` set, the
+eval plan too, and the eval function's memory per bucket shape."""
 from __future__ import annotations
 
 import jax
@@ -14,7 +15,7 @@ def _numbers(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-def dry_run(setup, loader, outdir: str) -> dict:
+def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
     config, mesh, plan = setup.config, setup.mesh, setup.plan
     n_train = _numbers(plan.abstract.params)
     n_params = n_train + _numbers(plan.abstract.frozen)
@@ -50,5 +51,18 @@ def dry_run(setup, loader, outdir: str) -> dict:
         print(table, flush=True)
         for note in memory.backend_notes(setup.model_config):
             print(f"note: {note}")
+    eval_rows = None
+    if evaluator is not None:
+        eval_rows = evaluator.compile(limit=limit, check=False, progress=False,
+                                      threads=memory.compile_threads(config))
+        if jax.process_index() == 0:
+            gib = memory.GIB
+            plan = evaluator.data.describe()
+            print(f"eval plan ({len(evaluator.data.plan)} batches × {evaluator.num_timesteps} timesteps): "
+                  + ", ".join(f"{k} {r} rows in {n} batches" for k, (r, n) in plan.items()))
+            for name, (res, t, h, w), gb, info in eval_rows:
+                fits = "?" if not limit else ("yes" if info.peak_bytes <= limit else "NO")
+                print(f"  eval {name:<16} {t}×{h}×{w} global batch {gb:>4}: {info.peak_bytes / gib:8.2f} GiB per "
+                      f"device, compiled in {info.seconds:.1f}s, fits {fits}")
     return dict(plan=plan_rows, steps_per_epoch=total, params=n_params, state_bytes=state_bytes, buckets=rows,
-                outputs=outdir)
+                outputs=outdir, eval=eval_rows)

@@ -1,10 +1,23 @@
 """Console progress line and optional wandb logging (only process 0 logs).
 
-Once per log interval (`train.log_every` steps, fetched from the device in one transfer): loss
-(mean over the interval's applied steps), lr, grad norm, weight norm, samples/s, tokens/s, step
-time, data-wait time, skipped samples, non-finite steps. wandb is an optional extra
-(`pip install 'jaxsora[wandb]'`); `wandb.mode = "offline"` works without a network, and the run id
-is stored in each checkpoint so that `--load` logs into the same run.
+Once per log interval (`train.log_every` steps, fetched from the device in one transfer), one line
+on the console, one line in `<run>/metrics.jsonl` and one wandb log at the interval's last step:
+- loss (mean over the interval's applied steps), lr, grad_norm, weight_norm, epoch;
+- samples_per_s, tokens_per_s (image tokens), step_time (interval wall / steps), data_time (mean
+  wait for the loader per step) and data_share (the loader waits' share of the interval's wall);
+- tflops_per_device (model FLOPs per second per device, `train.mfu`) and mfu (that over the device's
+  peak; only when the peak is known: a GPU in `train.mfu.PEAK_FLOPS` or `train.peak_flops`);
+- time/<res>_<T>x<H>x<W>: the mean step time of the interval's steps of that bucket shape (each
+  step's time from its completion, see `train.loop`);
+- skipped (+ skipped/<reason>), nonfinite_total.
+
+Each evaluation (`train.eval`) writes one line to the console, one to `<run>/eval.jsonl`
+({"step", "eval/loss", "eval/loss/<res>_<frames>", "eval/samples/<res>_<frames>",
+"eval/loss_by_t/<res>_<frames>" (a list, jsonl only), "eval/skipped", "eval/seconds", "eval/weights"})
+and logs its numbers to wandb at that step.
+
+wandb is an optional extra (`pip install 'jaxsora[wandb]'`); `wandb.mode = "offline"` works without a
+network, and the run id is stored in each checkpoint so that `--load` logs into the same run.
 """
 from __future__ import annotations
 
@@ -30,13 +43,16 @@ def _skipped_text(summary: dict) -> str:
 
 
 class MetricLogger:
-    def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True):
+    def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True,
+                 peak_flops: Optional[float] = None, num_devices: int = 1):
         self.enabled = enabled
         self.outdir = outdir
         self.run = None
         self.run_id = resume_id
+        self.peak_flops, self.num_devices = peak_flops, max(1, int(num_devices))
         self._t0 = time.time()
         self._jsonl = open(os.path.join(outdir, "metrics.jsonl"), "a") if enabled else None
+        self._eval_jsonl = None
         wcfg = config.get("wandb", None)
         if enabled and wcfg is not None and wcfg.get("enabled", False):
             try:
@@ -53,8 +69,9 @@ class MetricLogger:
 
     def log(self, rows: Sequence[dict], wall: float) -> Optional[dict]:
         """rows: one dict per step of the interval (device metrics already fetched, plus the host's
-        data_time, samples, tokens, epoch, bucket, skipped, nonfinite_total); wall: the interval's
-        seconds. Prints one line, appends one metrics.jsonl line, logs to wandb."""
+        data_time, samples, tokens, epoch, bucket, skipped, nonfinite_total, and where known flops
+        (model FLOPs of the step), bucket_name and step_time); wall: the interval's seconds. Prints
+        one line, appends one metrics.jsonl line, logs to wandb; returns the logged summary."""
         if not self.enabled or not rows:
             return None
         last = rows[-1]
@@ -71,10 +88,23 @@ class MetricLogger:
             data_time=mean("data_time"), **_skipped(last.get("skipped")),
             nonfinite_total=int(last.get("nonfinite_total", 0)), epoch=int(last.get("epoch", 0)),
             wall=time.time() - self._t0)
+        summary["data_share"] = min(1.0, sum(float(r["data_time"]) for r in rows) / wall)
+        if all(r.get("flops") is not None for r in rows):
+            per_device = sum(float(r["flops"]) for r in rows) / wall / self.num_devices
+            summary["tflops_per_device"] = per_device / 1e12
+            if self.peak_flops:
+                summary["mfu"] = per_device / self.peak_flops
+        times: dict = {}
+        for r in rows:
+            if r.get("step_time") is not None and r.get("bucket_name"):
+                times.setdefault(r["bucket_name"], []).append(float(r["step_time"]))
+        summary.update({f"time/{k}": float(np.mean(v)) for k, v in sorted(times.items())})
+        mfu = f" mfu {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
         print(f"step {summary['step']:>6} | loss {summary['loss']:.4f} | lr {summary['lr']:.2e} "
               f"| grad {summary['grad_norm']:.3f} | weight {summary['weight_norm']:.2f} "
-              f"| {summary['samples_per_s']:.2f} samples/s {summary['tokens_per_s']:.0f} tok/s "
+              f"| {summary['samples_per_s']:.2f} samples/s {summary['tokens_per_s']:.0f} tok/s{mfu} "
               f"| step {summary['step_time']:.3f}s data {summary['data_time']:.3f}s "
+              f"({100 * summary['data_share']:.0f}%) "
               f"| skipped {_skipped_text(summary)} rejected {summary['nonfinite_total']} "
               f"| epoch {summary['epoch']} {last.get('bucket', '')}", flush=True)
         self._jsonl.write(json.dumps(summary) + "\n")
@@ -83,9 +113,32 @@ class MetricLogger:
             self.run.log({k: v for k, v in summary.items() if k != "step"}, step=summary["step"])
         return summary
 
+    def log_eval(self, result: dict) -> None:
+        """One evaluation (`train.eval.Evaluator.evaluate`): a console line, an eval.jsonl line and
+        wandb at its step (numbers only)."""
+        if not self.enabled:
+            return
+        step = int(result["step"])
+        parts = []
+        for k, v in result.items():
+            if k.startswith("eval/loss/"):
+                name = k.split("/", 2)[2]
+                parts.append(f"{name} {v:.4f} ({result.get(f'eval/samples/{name}', 0)})")
+        skipped = f" | left out {result['eval/skipped']}" if result.get("eval/skipped") else ""
+        print(f"eval {step:>6} | loss {result['eval/loss']:.4f} ({result.get('eval/weights', 'params')}) | "
+              + " ".join(parts) + f"{skipped} | {result.get('eval/seconds', 0.0):.1f}s", flush=True)
+        if self._eval_jsonl is None:
+            self._eval_jsonl = open(os.path.join(self.outdir, "eval.jsonl"), "a")
+        self._eval_jsonl.write(json.dumps(result) + "\n")
+        self._eval_jsonl.flush()
+        if self.run is not None:
+            self.run.log({k: v for k, v in result.items() if k != "step" and isinstance(v, (int, float))}, step=step)
+
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
+        if self._eval_jsonl:
+            self._eval_jsonl.close()
         if self.run is not None:
             self.run.finish()
         sys.stdout.flush()

@@ -8,7 +8,14 @@ its shards → steps. Everything from the state's creation to the last save runs
 
 The step loop never waits for the device: metrics stay on the device and are fetched once per
 `train.log_every` steps (and at saves), at most `MAX_IN_FLIGHT` steps are queued ahead, and the
-loader's workers already turned captions into token ids or cached text states.
+loader's workers already turned captions into token ids or cached text states. Each step's time is
+taken when the loop waits for it anyway (the step `MAX_IN_FLIGHT` back, and the rest at a fetch):
+completion minus the later of the previous step's completion and the start of its own iteration.
+
+With `eval.table` set, the validation loss (`train.eval`) runs every `eval.every` steps (after that
+step's log line, before its checkpoint), optionally before the first step (`eval.at_start`, a run
+starting at step 0) and after the last one (`eval.at_end`); its time is left out of the train
+throughput figures.
 """
 from __future__ import annotations
 
@@ -77,8 +84,9 @@ def _profile_range(spec: Optional[str]) -> Optional[tuple[int, int]]:
     return a, b
 
 
-def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
-    """Run training (or the dry run); returns a summary dict."""
+def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=None) -> dict:
+    """Run training (or the dry run); returns a summary dict. `loader_factory(config, dp, text_inputs)`
+    and `eval_data_factory(config, setup, outdir)` replace the video loader and the eval data."""
     from jaxsora.config import validate_config
 
     if opts.data_path:
@@ -86,6 +94,10 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     if opts.outputs:
         config.train.outputs = opts.outputs
     validate_config(config, opts)
+    if eval_data_factory is None:
+        from jaxsora.train import eval as eval_lib
+
+        eval_lib.check_config(config)  # the eval table, buckets and text states, before any work
     profile = _profile_range(opts.profile)
     tcfg = config.train
     outdir = os.path.abspath(os.path.join(tcfg.outputs, tcfg.get("experiment", "run")))
@@ -102,7 +114,7 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
 
         setup = setup_run(config, abstract_encoders=True)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
-        return dry_run(setup, loader, outdir)
+        return dry_run(setup, loader, outdir, evaluator=_evaluator(setup, outdir, eval_data_factory))
 
     if loader_factory is None:  # the table's columns and rows, before the run takes its folder
         from jaxsora.data.tables import check_table
@@ -113,10 +125,14 @@ def train(config, opts: RunOptions, *, loader_factory=None) -> dict:
     try:
         setup = setup_run(config)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
+        evaluator = _evaluator(setup, outdir, eval_data_factory)
         with jax.set_mesh(setup.mesh):
             buckets = _compile_plan(setup, loader)
+            if evaluator is not None:
+                evaluator.compile(limit=memory.device_memory_limit(config), threads=memory.compile_threads(config),
+                                  check=bool(config.train.get("check_memory", True)), progress=_is_main())
             state, wandb_id = _initial_state(setup, loader, opts)
-            return _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets)
+            return _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator)
     finally:
         if lock is not None:
             lock.release()
@@ -150,6 +166,22 @@ def _compile_plan(setup, loader) -> list:
               f"compile time; largest: {res} {t}×{h}×{w} at {peak.info.peak_bytes / memory.GIB:.2f} GiB per device"
               + (f" of {limit / memory.GIB:.2f}" if limit else ""))
     return rows
+
+
+def _evaluator(setup, outdir, factory=None):
+    """The run's `train.eval.Evaluator`, or None when `eval.table` is not set."""
+    from jaxsora.train import eval as eval_lib
+
+    if not eval_lib.enabled(setup.config):
+        return None
+    data = factory(setup.config, setup, outdir) if factory is not None else None
+    return eval_lib.build_evaluator(setup.config, setup, outdir, data=data)
+
+
+def _bucket_name(bucket) -> str:
+    """(res, T, H, W) → "<res>_<T>x<H>x<W>" (the `time/<bucket>` metric names)."""
+    res, *size = bucket
+    return f"{res}_{'x'.join(str(int(v)) for v in size)}" if res else "x".join(str(int(v)) for v in size)
 
 
 def _compile_late(setup, batch, host):
@@ -188,8 +220,9 @@ def _skip_counts(loader) -> dict:
     return {"unreadable": n} if n else {}
 
 
-def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict:
+def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator=None) -> dict:
     from jaxsora.train.logging import MetricLogger
+    from jaxsora.train.mfu import peak_flops, train_flops_per_sample
 
     config, mesh = setup.config, setup.mesh
     tcfg = config.train
@@ -197,18 +230,41 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
     run_config["model"] = {**run_config.get("model", {}), **setup.model_config.to_dict()}
     ckpt = Checkpointer(os.path.join(outdir, "checkpoints"), keep=int(tcfg.get("keep_ckpts", 3)),
                         async_save=bool(tcfg.get("async_checkpoint", True)))
-    logger = MetricLogger(config, outdir, resume_id=wandb_id, enabled=_is_main())
+    logger = MetricLogger(config, outdir, resume_id=wandb_id, enabled=_is_main(), peak_flops=peak_flops(config),
+                          num_devices=jax.device_count())
     stop = StopRequested(multi_process=jax.process_count() > 1)
     watchdog = Watchdog(float(tcfg.get("watchdog_factor", 10.0)), float(tcfg.get("watchdog_min_seconds", 300.0)))
     max_steps, ckpt_every = int(tcfg.max_steps), int(tcfg.ckpt_every)
     log_every, max_bad = int(tcfg.get("log_every", 10)), int(tcfg.get("max_nonfinite_steps", 5))
+    ecfg = config.get("eval") or {}
+    eval_every = int(ecfg.get("every", 0) or 0) if evaluator is not None else 0
     enc = setup.encoders.weights
     counts = dict(bad_in_row=0, nonfinite=0)
     # good_ckpt: the newest checkpoint saved before the current streak of rejected steps began.
-    last = dict(loss=None, good_ckpt=None, streak_ckpt=None, interval_start=time.monotonic())
+    last = dict(loss=None, good_ckpt=None, streak_ckpt=None, interval_start=time.monotonic(), done=None,
+                eval_step=None, eval=None)
     pending: list = []  # (device metrics, host facts) of the steps since the last fetch
-    in_flight: collections.deque = collections.deque()
+    in_flight: collections.deque = collections.deque()  # (loss, host facts, iteration start) of queued steps
     step = int(jax.device_get(state.step))
+    flops_cache: dict = {}
+
+    def flops_of(size: tuple, gb: int) -> float:
+        """Model FLOPs (forward + backward) of a global batch of pixel size (T, H, W)."""
+        if size not in flops_cache:
+            flops_cache[size] = train_flops_per_sample(setup.model_config, setup.encoders.latent_size(size))
+        return flops_cache[size] * gb
+
+    def complete(entry) -> None:
+        """Wait for a queued step (the loop waits for it anyway) and note its step time."""
+        loss, facts, began = entry
+        loss.block_until_ready()
+        now = time.monotonic()
+        facts["step_time"] = now - (began if last["done"] is None else max(last["done"], began))
+        last["done"] = now
+
+    def drain() -> None:
+        while in_flight:
+            complete(in_flight.popleft())
 
     def save(force=False):
         s = int(jax.device_get(state.step))
@@ -224,6 +280,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
         Returns the number of optimizer steps applied so far."""
         if not pending:
             return step
+        drain()  # the transfer below waits for these steps anyway: note their times first
         fetched = jax.device_get([m for m, _ in pending])
         rows = []
         for m, (_, host) in zip(fetched, pending):
@@ -248,8 +305,20 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
         pending.clear()
         return int(rows[-1]["step"])
 
+    def run_eval() -> None:
+        """The validation loss of the current weights (one transfer at its end), logged; its time
+        is taken out of the current log interval."""
+        drain()
+        t0 = time.monotonic()
+        result = evaluator.evaluate(state)
+        logger.log_eval(result)
+        last["eval_step"], last["eval"] = result["step"], result
+        last["interval_start"] += time.monotonic() - t0
+
     if not opts.load:
         save(force=True)  # the Lambda fork's "save at start"
+    if evaluator is not None and ecfg.get("at_start", False) and step == 0:
+        run_eval()
     it = iter(loader)
     tracing = False
     dispatched = 0  # steps dispatched by this run: the same on every host (the preemption sync's step id)
@@ -269,17 +338,19 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
                     _compile_late(setup, batch, host)
                 watchdog.phase("step")
                 state, metrics = setup.step(state, batch, enc)
-                in_flight.append(metrics["loss"])
+                gb = batch["video"].shape[0]
+                bucket = tuple(host.get("bucket", ("", *batch["video"].shape[2:])))
+                size = tuple(int(v) for v in bucket[1:])
+                facts = dict(data_time=t_data, samples=gb, tokens=gb * setup.tokens_per_sample(size),
+                             flops=flops_of(size, gb), epoch=host.get("epoch", 0), bucket=str(bucket),
+                             bucket_name=_bucket_name(bucket), skipped=_skip_counts(loader))
+                in_flight.append((metrics["loss"], facts, t0))
                 if len(in_flight) > MAX_IN_FLIGHT:
-                    in_flight.popleft().block_until_ready()
+                    complete(in_flight.popleft())
                 watchdog.phase(None)
                 step += 1
                 dispatched += 1
-                gb = batch["video"].shape[0]
-                bucket = host.get("bucket", ("", *batch["video"].shape[2:]))
-                pending.append((metrics, dict(
-                    data_time=t_data, samples=gb, tokens=gb * setup.tokens_per_sample(tuple(bucket[1:])),
-                    epoch=host.get("epoch", 0), bucket=str(bucket), skipped=_skip_counts(loader))))
+                pending.append((metrics, facts))
                 if tracing and step >= profile[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -288,12 +359,17 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
                         print(f"[jaxsora] profile of steps {profile[0]}..{profile[1]} → {outdir}/profile")
                 if step % log_every == 0:
                     step = fetch_and_log()
+                if eval_every and step % eval_every == 0 and step != last["eval_step"]:
+                    run_eval()
                 if step % ckpt_every == 0:
                     save()
             step = fetch_and_log()  # the true count: rejected steps were not applied
             if step >= max_steps or stop.flag:
                 break
         save(force=True)  # the end (or a signal)
+        if (evaluator is not None and ecfg.get("at_end", True) and not stop.flag and step >= max_steps
+                and step != last["eval_step"]):
+            run_eval()
     finally:
         if tracing:
             jax.profiler.stop_trace()
@@ -302,6 +378,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets) -> dict
         ckpt.close()
         logger.close()
     return dict(steps=step, last_loss=last["loss"], checkpoints=ckpt.directory, outputs=outdir,
-                stopped_by_signal=stop.flag, nonfinite=counts["nonfinite"], buckets=buckets)
+                stopped_by_signal=stop.flag, nonfinite=counts["nonfinite"], buckets=buckets,
+                eval=last["eval"])
 
 

@@ -1,0 +1,75 @@
+"""Model FLOPs per train step and the device's peak, for the MFU the loop logs.
+
+MFU = model FLOPs of the interval's steps / (interval seconds × peak FLOP/s per device × devices).
+
+Model FLOPs are counted from the STDiT3 shapes (the formula of `bench/step.py`), × 3 for forward
+and backward (the PaLM convention): rematerialization, the optimizer, the loss and the frozen
+VAE/T5 encoders are not counted. XLA's own count (`CompileInfo.flops`, the compiled step's cost
+analysis) is not used: it counts remat's recomputation (a hardware, not a model, count), counts a
+`lax.scan` body once (`model.scan_blocks=True` reports one block pair of 28) and gives no FLOPs for
+custom calls (cuDNN attention). Per sample, matmuls 2·m·n·k with N = T·S image tokens, C width,
+L text tokens (the padded caption length the model computes on), d depth (2d blocks):
+
+    28·N·C²  qkv (6), self-attention proj (2), cross q (2) and proj (2), MLP (16)
+  + 4·L·C²   cross-attention k/v of the text          + 4·N·L·C   cross-attention scores and sum
+  + 4·T·S²·C (spatial blocks) or 4·S·T²·C (temporal)   self-attention scores and sum
+
+plus the patch embedding, the final layer and the caption MLP.
+
+Peak: dense bf16 tensor-core FLOP/s per device by `device_kind` (fp32 compute: the TF32 rate,
+which XLA uses for fp32 matmuls at default precision); `train.peak_flops` overrides it (needed on
+any device not in the table). CPU and unknown devices: None, and no MFU is logged.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+# (substring of the lower-cased jax device_kind, compute dtype) → dense peak FLOP/s per device.
+# First match wins, so the more specific names come first.
+PEAK_FLOPS = (
+    (("h100 pcie", "bfloat16"), 756e12), (("h100 pcie", "float32"), 378e12),
+    (("h100 nvl", "bfloat16"), 835e12), (("h100 nvl", "float32"), 418e12),
+    (("h100", "bfloat16"), 989e12), (("h100", "float32"), 495e12),  # SXM (and GH200)
+    (("h200", "bfloat16"), 989e12), (("h200", "float32"), 495e12),
+    (("a100", "bfloat16"), 312e12), (("a100", "float32"), 156e12),
+)
+
+
+def forward_flops(cfg, latent: Sequence[int], text_len: int) -> float:
+    """Matmul FLOPs of one STDiT3 forward for one sample of latent size (T, H, W)."""
+    t, h, w = latent
+    pt, ph, pw = cfg.patch_size
+    tt, hh, ww = -(-t // pt), -(-h // ph), -(-w // pw)
+    s, n, c, length = hh * ww, tt * hh * ww, cfg.hidden_size, text_len
+    per_block = 28 * n * c * c + 4 * length * c * c + 4 * n * length * c
+    spatial = per_block + 4 * tt * s * s * c
+    temporal = per_block + 4 * s * tt * tt * c
+    p = pt * ph * pw
+    extra = (2 * n * p * cfg.in_channels * c + 2 * n * c * p * cfg.out_channels
+             + 2 * length * (cfg.caption_channels * c + c * c))
+    return float(cfg.depth * (spatial + temporal) + extra)
+
+
+def train_flops_per_sample(cfg, latent: Sequence[int]) -> float:
+    """Forward + backward model FLOPs of one sample (3 × forward), caption of `model_max_length`."""
+    return 3.0 * forward_flops(cfg, latent, cfg.model_max_length)
+
+
+def device_peak_flops(device_kind: str, compute_dtype: str) -> Optional[float]:
+    kind = str(device_kind).lower()
+    dtype = "bfloat16" if "bfloat16" in str(compute_dtype) or str(compute_dtype) in ("bf16",) else "float32"
+    return next((v for (k, d), v in PEAK_FLOPS if k in kind and d == dtype), None)
+
+
+def peak_flops(config, devices=None) -> Optional[float]:
+    """Peak FLOP/s of one device: `train.peak_flops` when > 0, else the table for the first local
+    device and the model's compute dtype; None when unknown (CPU)."""
+    override = float(config.train.get("peak_flops", 0.0) or 0.0)
+    if override > 0:
+        return override
+    import jax
+
+    devices = devices if devices is not None else jax.local_devices()
+    if not devices or devices[0].platform == "cpu":
+        return None
+    return device_peak_flops(devices[0].device_kind, config.model.get("compute_dtype", "bfloat16"))
