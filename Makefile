@@ -29,14 +29,18 @@ lint: install
 DEMO ?= outputs/demo
 demo: install
 	$(VPY) -m data_tools.synthetic --out $(DEMO)/data --preset demo
-	$(VPY) -m jaxsora.train --config configs/demo.py --data-path $(DEMO)/data/meta.csv --outputs outputs
+	$(VPY) -m data_tools.synthetic --out $(DEMO)/eval --preset demo --num-videos 12 --num-images 4 --seed 1
+	$(VPY) -m jaxsora.train --config configs/demo.py --data-path $(DEMO)/data/meta.csv --outputs outputs \
+		--config.eval.table=$(DEMO)/eval/meta.csv
+	$(VPY) -m jaxsora.serve --preset demo --runs $(DEMO) --prompt-path $(DEMO)/data/prompts.txt --once --no-wandb
 	$(VPY) -m jaxsora.sample --ckpt $(DEMO)/checkpoints --ema --out $(DEMO)/samples \
 		--prompt-file $(DEMO)/data/prompts.txt
 	$(VPY) -m jaxsora.convert to-torch $(DEMO)/checkpoints $(DEMO)/stdit3_demo_ema.safetensors --ema
 	@echo
 	@echo "demo done:"
 	@echo "  data         $(DEMO)/data (meta.csv, videos)"
-	@echo "  training log $(DEMO)/metrics.jsonl"
+	@echo "  training log $(DEMO)/metrics.jsonl, validation loss $(DEMO)/eval.jsonl"
+	@echo "  per checkpoint $(DEMO)/samples/demo/<step>/ (the inference server)"
 	@echo "  checkpoints  $(DEMO)/checkpoints"
 	@echo "  samples      $(DEMO)/samples"
 	@echo "  PyTorch      $(DEMO)/stdit3_demo_ema.safetensors (Open-Sora STDiT3 state dict)"

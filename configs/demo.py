@@ -26,7 +26,9 @@ def get_config():
     c.mesh.update(dict(data=-1, fsdp=1, sequence=1))
     c.train.update(dict(outputs="outputs", experiment="demo", max_steps=600, ckpt_every=200, log_every=50,
                         watchdog_min_seconds=60.0))
-    c.sample.update(dict(num_frames=8, height=32, width=32, fps=8))
+    # The synthetic captions carry no aesthetic/motion scores, so sampling appends none (Open-Sora
+    # appends " aesthetic score: 6.5." by default).
+    c.sample.update(dict(num_frames=8, height=32, width=32, fps=8, aes=None, flow=None))
     # The eval, once a held-out table is given (--config.eval.table=...): every 100 steps, small batches.
     c.eval.update(dict(every=100, decode_threads=1))
     c.eval.bucket_config = {"demo32": {1: (1.0, 4), 8: (1.0, 4)}}

@@ -13,6 +13,7 @@ A run is a folder (`outputs/656-stdit3-xl2`) or an experiment number (`656`: the
     low4s    360p  9:16  4s (102 frames)   batch 8
     high4s   720p  9:16  4s (102 frames)   batch 2
     low16s   360p  9:16  16s (408 frames)  batch 2
+    demo     32×32       8 frames           batch 4   (the CPU demo, `make demo`)
 
 plus, from `--presets-file X.json`, any {name: {SampleSettings field: value}} (e.g. a 32×32 preset
 for the CPU demo: {"demo": {"image_size": [32, 32], "num_frames": 8, "fps": 8}}). Every preset uses
@@ -43,6 +44,8 @@ PRESETS = {
     "low4s": dict(resolution="360p", aspect_ratio="9:16", num_frames="4s", batch_size=8),
     "high4s": dict(resolution="720p", aspect_ratio="9:16", num_frames="4s", batch_size=2),
     "low16s": dict(resolution="360p", aspect_ratio="9:16", num_frames="16s", batch_size=2),
+    # The CPU demo's clips (configs/demo.py: 32×32, 8 frames at 8 fps).
+    "demo": dict(image_size=(32, 32), num_frames=8, fps=8, batch_size=4),
 }
 STATE_FILE = "serve_state.json"
 INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
@@ -209,7 +212,8 @@ def load_presets(presets_file: Optional[str]) -> dict:
     return presets
 
 
-def make_settings(preset: str, presets: dict):
+def preset_values(preset: str, presets: dict) -> dict:
+    """The preset's settings, checked against SampleSettings' fields."""
     from jaxsora.infer import SampleSettings
 
     if preset not in presets:
@@ -221,15 +225,21 @@ def make_settings(preset: str, presets: dict):
         raise BadInput(f"preset {preset!r}: unknown setting(s) {bad}; settings: {sorted(fields)}")
     if values.get("image_size") is not None:
         values["image_size"] = tuple(values["image_size"])
-    return SampleSettings(**values)
+    elif "resolution" in values:  # a named size wins over the run config's sample size
+        values["image_size"] = None
+    SampleSettings(**values)  # a bad value fails here, before any run is read
+    return values
 
 
-def default_sampler(opts: ServeOptions, settings) -> Callable:
-    """(step folder, prompts, save dir, meta) → media paths, with jaxsora.infer."""
+def default_sampler(opts: ServeOptions, values: dict) -> Callable:
+    """(step folder, prompts, save dir, meta) → media paths, with jaxsora.infer. The preset's
+    settings go over the run config's `sample` section (what the run's captions look like: its
+    aesthetic/motion scores), then Open-Sora's defaults."""
     from jaxsora.infer import Pipeline, write_samples
 
     def sample(step_path: str, prompts: list, save_dir: str, meta: dict) -> list:
         pipe = Pipeline.load(step_path, ema=opts.ema, vae=opts.vae, text_encoder=opts.text_encoder)
+        settings = pipe.default_settings(**values)
         videos = pipe.generate(prompts, settings, progress=False)
         return write_samples(videos, prompts, settings, save_dir, {**meta, "checkpoint": step_path,
                                                                     "step": pipe.step})
@@ -240,10 +250,10 @@ def default_sampler(opts: ServeOptions, settings) -> Callable:
 def serve(opts: ServeOptions, *, sampler: Optional[Callable] = None, sink=None, log=print) -> dict:
     """Poll the runs; sample and log every new complete checkpoint. Returns the state's data."""
     presets = load_presets(opts.presets_file)
-    settings = make_settings(opts.preset, presets)
+    values = preset_values(opts.preset, presets)
     runs = [resolve_run(str(r), opts.outputs) for r in opts.runs]
     prompts = list(opts.prompts or DEFAULT_PROMPTS)
-    sampler = sampler or default_sampler(opts, settings)
+    sampler = sampler or default_sampler(opts, values)
     sink = sink if sink is not None else (WandbSink(opts.wandb_mode) if opts.wandb else None)
     states = {run: ServeState(os.path.join(run, "samples", STATE_FILE)) for run in runs}
     polls = 0
