@@ -93,6 +93,7 @@ def get_config():
     c.train = mlc.ConfigDict(dict(
         outputs="outputs", experiment="stdit3-xl2", seed=42,
         max_steps=100_000, ckpt_every=200, keep_ckpts=3, log_every=10,
+        epochs=0,                       # > 0: train this many epochs (Open-Sora's `epochs`), max_steps a cap
         max_nonfinite_steps=5,          # rejected steps in a row before the run stops
         max_param_norm_growth=2.0,      # reject an update growing the parameter norm more than this (0: off)
         watchdog_factor=10.0, watchdog_min_seconds=300.0,

@@ -28,6 +28,8 @@ def _need_file(path, what):
 RANGES = {
     "train.max_steps": (0, None, "optimizer steps of the run; 0 writes the initial checkpoint only"),
     "train.ckpt_every": (1, None, "steps between checkpoints"),
+    "train.epochs": (0, None, "epochs of the run (steps per epoch from the bucket plan), max_steps a cap; "
+                              "0: max_steps only"),
     "train.log_every": (1, None, "steps between console/metrics lines"),
     "train.keep_ckpts": (0, None, "newest checkpoints kept; 0 keeps all"),
     "train.max_nonfinite_steps": (1, None, "non-finite steps in a row before the run stops"),

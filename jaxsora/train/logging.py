@@ -42,10 +42,22 @@ def _skipped_text(summary: dict) -> str:
     return f"{summary['skipped']}" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def format_duration(seconds: float) -> str:
+    """3725 → "1h02m"; 95 → "1m35s"; 7 → "7s"."""
+    s = int(round(max(0.0, seconds)))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
 class MetricLogger:
     def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True,
-                 peak_flops: Optional[float] = None, num_devices: int = 1):
+                 peak_flops: Optional[float] = None, num_devices: int = 1, total_steps: Optional[int] = None,
+                 epochs: Optional[int] = None):
         self.enabled = enabled
+        self.total_steps, self.epochs = total_steps, epochs  # for "step k/N", "epoch e/E" and the ETA
         self.outdir = outdir
         self.run = None
         self.run_id = resume_id
@@ -100,13 +112,18 @@ class MetricLogger:
                 times.setdefault(r["bucket_name"], []).append(float(r["step_time"]))
         summary.update({f"time/{k}": float(np.mean(v)) for k, v in sorted(times.items())})
         mfu = f" mfu {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
-        print(f"step {summary['step']:>6} | loss {summary['loss']:.4f} | lr {summary['lr']:.2e} "
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        if self.total_steps and summary["step"] < self.total_steps:
+            summary["eta_s"] = (self.total_steps - summary["step"]) * summary["step_time"]
+        eta = f" | ETA {format_duration(summary['eta_s'])}" if "eta_s" in summary else ""
+        epoch = f"{summary['epoch']}" + (f"/{self.epochs}" if self.epochs else "")
+        print(f"step {summary['step']:>6}{total} | loss {summary['loss']:.4f} | lr {summary['lr']:.2e} "
               f"| grad {summary['grad_norm']:.3f} | weight {summary['weight_norm']:.2f} "
               f"| {summary['samples_per_s']:.2f} samples/s {summary['tokens_per_s']:.0f} tok/s{mfu} "
               f"| step {summary['step_time']:.3f}s data {summary['data_time']:.3f}s "
               f"({100 * summary['data_share']:.0f}%) "
               f"| skipped {_skipped_text(summary)} rejected {summary['nonfinite_total']} "
-              f"| epoch {summary['epoch']} {last.get('bucket', '')}", flush=True)
+              f"| epoch {epoch} {last.get('bucket', '')}{eta}", flush=True)
         self._jsonl.write(json.dumps(summary) + "\n")
         self._jsonl.flush()
         if self.run is not None:

@@ -210,6 +210,22 @@ def _initial_state(setup, loader, opts: RunOptions):
     return fresh_state(setup), None
 
 
+def planned_steps(config, loader) -> tuple[int, int]:
+    """(steps of the run, epochs). `train.epochs` > 0 (Open-Sora's `epochs`): the steps of epochs
+    0..epochs−1 (each epoch's plan has its own length), capped by `train.max_steps`; otherwise
+    `train.max_steps`."""
+    max_steps = int(config.train.max_steps)
+    epochs = int(config.train.get("epochs", 0) or 0)
+    if epochs <= 0:
+        return max_steps, 0
+    total = 0
+    for e in range(epochs):
+        total += int(loader.steps_per_epoch(e))
+        if total >= max_steps:
+            return max_steps, epochs
+    return total, epochs
+
+
 def _skip_counts(loader) -> dict:
     """{reason: samples skipped so far} of the loader (a total under "skipped" for loaders that
     only count)."""
@@ -230,11 +246,12 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
     run_config["model"] = {**run_config.get("model", {}), **setup.model_config.to_dict()}
     ckpt = Checkpointer(os.path.join(outdir, "checkpoints"), keep=int(tcfg.get("keep_ckpts", 3)),
                         async_save=bool(tcfg.get("async_checkpoint", True)))
+    max_steps, epochs = planned_steps(config, loader)
     logger = MetricLogger(config, outdir, resume_id=wandb_id, enabled=_is_main(), peak_flops=peak_flops(config),
-                          num_devices=jax.device_count())
+                          num_devices=jax.device_count(), total_steps=max_steps, epochs=epochs or None)
     stop = StopRequested(multi_process=jax.process_count() > 1)
     watchdog = Watchdog(float(tcfg.get("watchdog_factor", 10.0)), float(tcfg.get("watchdog_min_seconds", 300.0)))
-    max_steps, ckpt_every = int(tcfg.max_steps), int(tcfg.ckpt_every)
+    ckpt_every = int(tcfg.ckpt_every)
     log_every, max_bad = int(tcfg.get("log_every", 10)), int(tcfg.get("max_nonfinite_steps", 5))
     ecfg = config.get("eval") or {}
     eval_every = int(ecfg.get("every", 0) or 0) if evaluator is not None else 0
@@ -322,9 +339,11 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
     it = iter(loader)
     tracing = False
     dispatched = 0  # steps dispatched by this run: the same on every host (the preemption sync's step id)
+    data_done = False
+    last_epoch_len = int(loader.steps_per_epoch(epochs - 1)) if epochs else 0
     try:
         while True:
-            while step < max_steps and not stop.should_stop(dispatched):
+            while step < max_steps and not data_done and not stop.should_stop(dispatched):
                 if profile and step == profile[0] and not tracing:
                     jax.profiler.start_trace(os.path.join(outdir, "profile"))
                     tracing = True
@@ -351,6 +370,9 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
                 step += 1
                 dispatched += 1
                 pending.append((metrics, facts))
+                # train.epochs: the last batch of the last epoch was dispatched
+                data_done = bool(epochs) and int(host.get("epoch", 0)) >= epochs - 1 and \
+                    int(host.get("index", 0)) >= last_epoch_len
                 if tracing and step >= profile[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -364,10 +386,10 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
                 if step % ckpt_every == 0:
                     save()
             step = fetch_and_log()  # the true count: rejected steps were not applied
-            if step >= max_steps or stop.flag:
+            if step >= max_steps or data_done or stop.flag:
                 break
         save(force=True)  # the end (or a signal)
-        if (evaluator is not None and ecfg.get("at_end", True) and not stop.flag and step >= max_steps
+        if (evaluator is not None and ecfg.get("at_end", True) and not stop.flag and (step >= max_steps or data_done)
                 and step != last["eval_step"]):
             run_eval()
     finally:

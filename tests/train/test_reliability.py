@@ -311,3 +311,19 @@ def test_other_commands_report_user_errors_in_one_line(workspace):
         results = list(ex.map(lambda c: invoke(c[0]), cases))
     for (args, needle), r in zip(cases, results):
         _assert_one_line(r, needle, args[:2])
+
+
+def test_epochs_set_the_length_of_the_run(tmp_path, capsys):
+    """train.epochs = 2 over a 5-batch epoch: 10 steps (max_steps only a cap); the console line shows
+    step k/N, epoch e/E and an ETA."""
+    cfg = small_config(tmp_path, max_steps=1000, ckpt_every=1000, mesh=(1, 1, 1))
+    cfg.train.epochs = 2
+    res = train(cfg, RunOptions(), loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, text_inputs=t))
+    assert res["steps"] == 10
+    out = capsys.readouterr().out
+    assert "step      9/10 |" in out and "epoch 1/2" in out and "ETA " in out
+    capped = small_config(tmp_path / "capped", max_steps=7, ckpt_every=1000, mesh=(1, 1, 1))
+    capped.train.epochs = 2
+    res = train(capped, RunOptions(), loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp,
+                                                                                  text_inputs=t))
+    assert res["steps"] == 7
