@@ -4,8 +4,14 @@ DIR is a run's outputs folder, its `checkpoints/` folder or one step folder `che
 Every array of each checkpoint is read on the host (numpy, no accelerator) and its fingerprint is
 compared with the step's `integrity.json` (see `jaxsora.train.checkpoint`).
 
-    list    a table: step, size on disk, intact / corrupt (why) / partial (why) / unverified (old)
+    list    a table: step, size on disk, contents (full = weights and optimizer state; weights
+            only = no opt_state/ item, e.g. a copy made with `rsync --exclude opt_state`, or a
+            converter output; "state/ layout" = the older single-item layout), intact /
+            corrupt (why) / partial (why) / unverified (old)
     verify  one line per checkpoint and a summary
+
+A copy without the optimizer state is intact when the items it has are (their arrays are checked;
+`--load` refuses it, sampling, conversion and `--ckpt-path` read it).
 
 Exit status: 0 every checkpoint intact (or unverified: older than integrity records), 1 some are
 corrupt or partial (`list` exits 0 after printing the table), 2 a usage mistake (no such folder,
@@ -37,18 +43,22 @@ def cmd_list(args) -> int:
 
     root, reports, unfinished = _reports(args.dir, args.step)
     print(f"checkpoints in {root}")
-    print(f"{'step':>8}  {'size':>10}  status")
+    width = max([len("contents")] + [len(r.contents) for r in reports])
+    print(f"{'step':>8}  {'size':>10}  {'contents':<{width}}  status")
     for r in reports:
-        print(f"{r.step:>8}  {_fmt_bytes(r.bytes):>10}  {r.status}" + (f" ({r.reason})" if r.reason else ""))
+        print(f"{r.step:>8}  {_fmt_bytes(r.bytes):>10}  {r.contents:<{width}}  {r.status}"
+              + (f" ({r.reason})" if r.reason else ""))
     for name in unfinished:
-        print(f"{name.split('.', 1)[0]:>8}  {'-':>10}  unfinished save ({name}; never read, replaced by the next save)")
+        print(f"{name.split('.', 1)[0]:>8}  {'-':>10}  {'-':<{width}}  unfinished save ({name}; never read, replaced "
+              "by the next save)")
     return EXIT_OK
 
 
 def cmd_verify(args) -> int:
     root, reports, unfinished = _reports(args.dir, args.step)
     for r in reports:
-        print(f"step {r.step}: {r.status}" + (f" ({r.reason})" if r.reason else ""))
+        print(f"step {r.step}: {r.status}" + (f" ({r.reason})" if r.reason else "")
+              + (f" [{r.contents}]" if r.contents != "full" else ""))
     for name in unfinished:
         print(f"{name}: unfinished save (never read)")
     counts = {}
@@ -65,7 +75,7 @@ def main(argv=None) -> int:
                                  epilog="exit status: 0 all intact, 1 some corrupt or partial (verify), 2 usage error")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, fn, text in (("list", cmd_list, "table of the checkpoints: step, size, status"),
+    for name, fn, text in (("list", cmd_list, "table of the checkpoints: step, size, contents, status"),
                            ("verify", cmd_verify, "check every checkpoint; exit 1 if any is corrupt")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("dir", help="run outputs folder, its checkpoints/ folder, or a step folder checkpoints/N")

@@ -201,9 +201,9 @@ def validate_config(config, opts=None) -> None:
 def _check_sources(opts) -> None:
     """--load / --ckpt-path point at something of the right kind (before anything compiles)."""
     if opts.load:
-        from jaxsora.train.checkpoint import resolve_checkpoint
+        from jaxsora.train.checkpoint import check_resumable
 
-        resolve_checkpoint(opts.load, getattr(opts, "step", None))
+        check_resumable(opts.load, getattr(opts, "step", None))  # resolves the path; no opt_state → one line
     if opts.ckpt_path and os.path.isfile(opts.ckpt_path):
         from jaxsora.io.weights import WEIGHT_EXTS
 

@@ -2,13 +2,21 @@
 
     CKPT/                      an orbax CheckpointManager root (training outputs use the same)
       <step>/
-        state/                 StandardSave pytree: {"params": W, "ema": W, ...}; W is the model's
-                               nnx state as a nested dict (every nnx.Variable: Params and Buffers)
+        params/                StandardSave {"params": P}: the trainable params
+        frozen/                StandardSave {"frozen": F}: frozen params and buffers
+        ema/                   StandardSave {"ema": P}: the EMA (a converter writes the params again)
+        opt_state/             training checkpoints only, never read here (see train.checkpoint)
         config/                JsonSave: {"model": STDiT3Config fields, ...}
 
-`save_weights` writes such a folder with one step; `load_weights` reads the model config and W
-(EMA or not) from any such folder — a manager root (newest step) or one step folder — so
-`to-torch` accepts converter outputs and training checkpoints alike.
+P and F are the model's nnx state as nested dicts (training: nnx.State, each Variable stored as
+{"value": array}; converter outputs: pure dicts). Older checkpoints have one `state/` item holding
+{"params": W, "ema": W, ...} (and the optimizer state, for training checkpoints); they are read
+the same way (only the weight arrays of it).
+
+`save_weights` writes such a folder with one step; `load_weights` reads the model config and the
+weights (EMA or not) from any such folder — a manager root (newest step) or one step folder — so
+`to-torch` accepts converter outputs and training checkpoints alike, with or without their
+`opt_state/` (a copy made with `rsync --exclude opt_state`).
 """
 from __future__ import annotations
 
@@ -20,24 +28,29 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxsora.errors import MissingFile
+from jaxsora.errors import MissingFile, WeightsError
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
-
-
-def _state_dict_tree(model: nnx.Module) -> dict:
-    return nnx.to_pure_dict(nnx.state(model, nnx.Variable))
 
 
 def save_weights(path: str, model: STDiT3, *, ema: Optional[dict] = None, step: int = 0,
                  extra_config: Optional[dict] = None) -> str:
+    """Write `model` as a one-step checkpoint of the per-item layout: params (trainable), frozen,
+    ema (`ema`: a nested dict like the trainable params' `nnx.to_pure_dict`; default the params
+    again), config."""
     import orbax.checkpoint as ocp
 
+    from jaxsora.models.stdit3 import trainable_filter
+
     path = os.path.abspath(path)
-    weights = _state_dict_tree(model)
+    _, trainable, frozen = nnx.split(model, trainable_filter(model.config), ...)
+    params, frozen = nnx.to_pure_dict(trainable), nnx.to_pure_dict(frozen)
     config = {"model": model.config.to_dict(), **(extra_config or {})}
+    items = dict(params={"params": params}, ema={"ema": ema if ema is not None else params})
+    if jax.tree.leaves(frozen):
+        items["frozen"] = {"frozen": frozen}
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)) as mngr:
         mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": weights, "ema": ema if ema is not None else weights}),
+            **{k: ocp.args.StandardSave(v) for k, v in items.items()},
             config=ocp.args.JsonSave(config),
         ))
         mngr.wait_until_finished()
@@ -45,15 +58,18 @@ def save_weights(path: str, model: STDiT3, *, ema: Optional[dict] = None, step: 
 
 
 def resolve_step_dir(path: str, step: Optional[int] = None) -> str:
-    """A step folder (holding `state/`) from a manager root or a step folder."""
+    """A step folder (holding weights: `params/`, `ema/`, or the older `state/`) from a manager
+    root or a step folder."""
+    from jaxsora.train.checkpoint import has_weights
+
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise MissingFile(f"checkpoint folder not found: {path}")
-    if os.path.isdir(os.path.join(path, "state")):
+    if has_weights(path):
         return path
-    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d, "state")))
+    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and has_weights(os.path.join(path, d)))
     if not steps:
-        raise MissingFile(f"{path} holds no jaxsora checkpoint (no <step>/state folder)")
+        raise MissingFile(f"{path} holds no jaxsora checkpoint (no <step>/params or <step>/state folder)")
     if step is None:
         return os.path.join(path, str(steps[-1]))
     if step not in steps:
@@ -85,8 +101,9 @@ def _flatten(tree, prefix=()):
 
 
 def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) -> tuple[STDiT3Config, dict]:
-    """(model config, {nnx path as tuple of str: numpy array}) from a native checkpoint."""
-    import orbax.checkpoint as ocp
+    """(model config, {nnx path as tuple of str: numpy array}) from a native checkpoint: the params
+    (or the EMA) and the frozen variables; the optimizer state is never read."""
+    from jaxsora.train import checkpoint as ck
 
     step_dir = resolve_step_dir(path, step)
     config = read_config(step_dir)
@@ -94,16 +111,15 @@ def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) ->
         raise ValueError(f"{step_dir}/config has no 'model' entry (STDiT3Config)")
     mcfg = config["model"]
     cfg = STDiT3Config(**{k: v for k, v in mcfg.items() if k in STDiT3Config.__dataclass_fields__})
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(os.path.join(step_dir, "state"))
-    key = "ema" if ema else "params"
-    if key not in state:
-        raise ValueError(f"{step_dir}/state has no {key!r} entry (it has {sorted(state)})")
-    flat = {p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[key])}
-    # Non-trainable model variables may be stored beside the params (e.g. "buffers").
-    for extra in ("frozen", "buffers", "model_state"):
-        if extra in state:
-            flat.update({p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[extra]) if p not in flat})
+    try:
+        fields = [f for f, _, _ in ck.weight_fields(step_dir, ema)]
+        state = ck.read_weights(step_dir, fields)  # verified against integrity.json when there is one
+    except ck.CheckpointError as e:
+        raise WeightsError(str(e)) from None
+    flat = {p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[fields[0]])}
+    # Non-trainable model variables are stored beside the params ("frozen"; older: "buffers", ...).
+    for extra in fields[1:]:
+        flat.update({p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[extra]) if p not in flat})
     return cfg, flat
 
 

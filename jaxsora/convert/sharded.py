@@ -6,7 +6,8 @@ shard), so peak host memory is about one shard of one tensor and no device ever 
 copy of the model. Sources:
 
 - a jaxsora checkpoint (a run's `checkpoints/`, one `<step>/`, or a converter output): params (or
-  `ema=True`: the EMA) and the frozen variables, restored with orbax into the target shardings;
+  `ema=True`: the EMA) and the frozen variables, restored with orbax into the target shardings from
+  the weight items alone (never the optimizer's), and checked against the step's integrity.json;
 - an Open-Sora STDiT3 or PixArt-Σ `.safetensors`/`.pth`: keys and layouts as `convert.torch` maps
   them (PixArt's `blocks.*` → `spatial_blocks.*`, its 2-D patch kernel gets a time axis, `pos_embed`
   dropped, `y_embedding` padded/truncated to `model_max_length`). What the file lacks keeps the
@@ -14,7 +15,6 @@ copy of the model. Sources:
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
@@ -62,65 +62,80 @@ def read_torch_weights(path: str, targets: dict, model_max_length: int) -> tuple
     return out, LoadReport(mapped, initialized, sorted(set(sd) - set(mapped)))
 
 
-def _checkpoint_subtrees(meta_tree: dict, ema: bool) -> list[str]:
-    """Which subtrees of a stored `state` hold the model variables, in lookup order."""
-    first = "ema" if ema else "params"
-    if first not in meta_tree:
-        raise WeightsError(f"the checkpoint's state has no {first!r} entry (it has {sorted(meta_tree)})")
-    return [first] + [k for k in ("frozen", "buffers", "model_state") if k in meta_tree]
-
-
-def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Optional[int] = None) -> dict:
+def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Optional[int] = None,
+                        verify: bool = True) -> dict:
     """{NNX path: sharded jax.Array} for every target, from a jaxsora checkpoint folder: orbax
     reads each shard into its sharding. Every model variable must be there (a jaxsora checkpoint
-    is complete)."""
+    is complete). Only the weight items are opened (params or ema, and frozen; the older layout's
+    single `state` item: only those arrays of it) — never the optimizer state, so a copy without
+    `opt_state/` works. verify: the arrays read are checked against the step's integrity.json."""
     import orbax.checkpoint as ocp
 
     from jaxsora.convert.native import resolve_step_dir
+    from jaxsora.train import checkpoint as ck
 
     step_dir = resolve_step_dir(path, step)
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(os.path.join(step_dir, "state"))
-    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None) or dict(meta)
-    subtrees = _checkpoint_subtrees(tree, ema)
+    try:
+        sources = ck.weight_fields(step_dir, ema)
+    except ck.CheckpointError as e:
+        raise WeightsError(str(e)) from None
 
     def find(names):
-        """(subtree, stored path, leaf metadata): an nnx.State stores each Variable as
+        """(item folder, stored path, leaf metadata): an nnx.State stores each Variable as
         {"value": array} (training checkpoints), a pure dict as the array (converter outputs)."""
-        for sub in subtrees:
-            node = tree[sub]
+        for field, item_dir, tree in sources:
+            node = tree
             for part in names:
                 node = node.get(part) if isinstance(node, dict) else None
             if isinstance(node, dict) and "value" in node:
-                return sub, (sub,) + names + ("value",), node["value"]
+                return item_dir, (field,) + names + ("value",), node["value"]
             if node is not None and not isinstance(node, dict):
-                return sub, (sub,) + names, node
+                return item_dir, (field,) + names, node
         return None, None, None
 
-    item, restore_args, where, missing = {}, {}, {}, []
+    items, restore_args, where, missing = {}, {}, {}, []
     for p, target in targets.items():
         names = tuple(str(x) for x in p)
-        sub, keys, leaf = find(names)
+        item_dir, keys, leaf = find(names)
         if leaf is None:
             missing.append(".".join(names))
             continue
         if tuple(leaf.shape) != tuple(target.shape):
             raise WeightsError(f"{step_dir}: shape mismatch for {'.'.join(names)}: stored {tuple(leaf.shape)}, "
                              f"the model expects {tuple(target.shape)}")
-        node_i, node_a = item, restore_args
+        node_i, node_a = items.setdefault(item_dir, {}), restore_args.setdefault(item_dir, {})
         for part in keys[:-1]:
             node_i, node_a = node_i.setdefault(part, {}), node_a.setdefault(part, {})
         node_i[keys[-1]] = target
         node_a[keys[-1]] = ocp.ArrayRestoreArgs(sharding=target.sharding, dtype=target.dtype)
-        where[p] = keys
+        where[p] = (item_dir, keys)
     if missing:
         raise WeightsError(f"{step_dir}: missing {len(missing)} model weights, e.g. {missing[:5]}")
-    restored = ckptr.restore(os.path.join(step_dir, "state"),
-                             args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
-    out = {}
-    for p, keys in where.items():
-        node = restored
+    restored = {}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        for item_dir, item in items.items():
+            restored[item_dir] = ckptr.restore(item_dir, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args[item_dir], partial_restore=True))
+    out, by_name = {}, {}
+    for p, (item_dir, keys) in where.items():
+        node = restored[item_dir]
         for k in keys:
             node = node[k]
-        out[p] = node
+        out[p] = by_name[".".join(keys)] = node
+    if verify:
+        # the stored dtype is what the record describes: compare only arrays read without a cast
+        same = {n: x for n, x in by_name.items() if _stored_dtype(sources, n) in (None, str(x.dtype))}
+        ck.verify_arrays(step_dir, same)
     return out
+
+
+def _stored_dtype(sources, name: str) -> Optional[str]:
+    field, *parts = name.split(".")
+    for f, _, tree in sources:
+        if f != field:
+            continue
+        node = tree
+        for part in parts:
+            node = node.get(part) if isinstance(node, dict) else None
+        return str(getattr(node, "dtype", None)) if node is not None and not isinstance(node, dict) else None
+    return None

@@ -4,9 +4,10 @@
     pipe = Pipeline.load("outputs/run", step=None, ema=True, vae=None, text_encoder=None)
     videos = pipe.generate(["a red circle moving right"], SampleSettings(image_size=(32, 32), num_frames=8))
 
-Weights only: the params (or the EMA) and the frozen variables of the checkpoint's `state` item
-are restored with orbax partial restore straight into their shards (`convert.sharded`); the
-optimizer state is never read.
+Weights only: the params (or the EMA) and the frozen variables — the checkpoint's `params/` (or
+`ema/`) and `frozen/` items, or those arrays of an older checkpoint's single `state/` item — are
+restored with orbax partial restore straight into their shards (`convert.sharded`) and checked
+against its integrity.json; the optimizer state is never read (a copy without `opt_state/` works).
 
 Seeding: the noise of a prompt depends on (seed, the prompt as given, how many times the same
 prompt came before it in the list) only — not on its position, the batch size or the other
@@ -53,18 +54,18 @@ class PipelineError(BadInput):
 # checkpoints
 # --------------------------------------------------------------------------------------------
 def find_step_dir(ckpt: str, step: Optional[int] = None) -> str:
-    """A step folder (with `state/`) from a run folder, its `checkpoints/`, one step folder, or a
-    converter output. Without `step`: the newest step whose save finished (a new-format step
-    without integrity.json is skipped with a note on stderr)."""
-    from jaxsora.train.checkpoint import INTEGRITY_FILE, checkpoint_steps, resolve_checkpoint
+    """A step folder (with weights: `params/`/`ema/`, or the older `state/`) from a run folder, its
+    `checkpoints/`, one step folder, or a converter output. Without `step`: the newest step whose
+    save finished (a new-format step without integrity.json is skipped with a note on stderr)."""
+    from jaxsora.train.checkpoint import INTEGRITY_FILE, checkpoint_steps, has_weights, resolve_checkpoint
 
     root, chosen = resolve_checkpoint(ckpt, step)
     steps = [chosen] if chosen is not None else list(reversed(checkpoint_steps(root)))
     for s in steps:
         d = os.path.join(root, str(s))
-        if not os.path.isdir(os.path.join(d, "state")):
+        if not has_weights(d):
             if chosen is not None:
-                raise MissingFile(f"{d} has no state/ folder (not a jaxsora checkpoint)")
+                raise MissingFile(f"{d} holds no weights: no params/ or state/ folder (not a jaxsora checkpoint)")
             continue
         if not os.path.exists(os.path.join(d, INTEGRITY_FILE)) and _checkpoint_format(d) is not None:
             if chosen is not None:
@@ -73,7 +74,7 @@ def find_step_dir(ckpt: str, step: Optional[int] = None) -> str:
                   file=sys.stderr, flush=True)
             continue
         return d
-    raise MissingFile(f"{root} holds no usable checkpoint (no <step>/state folder)")
+    raise MissingFile(f"{root} holds no usable checkpoint (no <step>/params or <step>/state folder)")
 
 
 def _checkpoint_format(step_dir: str):

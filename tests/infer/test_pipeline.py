@@ -21,6 +21,7 @@ def _settings(pipe, **kw):
 def test_run_config_defaults_and_meta(pipe, run):
     s = pipe.default_settings()
     assert s.image_size == (32, 32) and s.num_frames == 8 and s.fps == 8  # the run's `sample` section
+    assert s.aes is None and s.flow is None  # the demo's captions carry no scores
     assert pipe.run_config is not None and pipe.step == 2 and pipe.step_dir.endswith(os.path.join("checkpoints", "2"))
     assert pipe.weights == "ema" and pipe.use_timestep_transform is False  # the demo config turns the shift off
     m = pipe.meta()
@@ -133,7 +134,7 @@ def test_video_reference_and_loops(pipe, tmp_path):
 
 
 def test_write_samples_and_sidecars(pipe, tmp_path):
-    s = _settings(pipe, batch_size=2)
+    s = _settings(pipe, batch_size=2, aes=6.5)  # the demo-derived run config appends no score; ask for one
     videos = pipe.generate([A, B], s, progress=False) + pipe.generate([A], s.replace(num_frames=1), progress=False)
     settings = [s, s, s.replace(num_frames=1)]
     paths = write_samples(videos[:2], [A, B], s, str(tmp_path), pipe.meta())

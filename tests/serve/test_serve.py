@@ -113,3 +113,21 @@ def test_cli_errors_are_one_line(run, tmp_path):
                            timeout=300)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_mirror_without_the_optimizer_state_is_served(run, tmp_path):
+    """A mirror made with `rsync -a --exclude opt_state` (the weights only): the server samples it
+    as it samples the run."""
+    out, _, presets = run
+    mirror = tmp_path / "mirror" / "658-weights"
+    shutil.copytree(resolve_run("656", str(out)), mirror,
+                    ignore=shutil.ignore_patterns("samples", "wandb", "opt_state"))
+    assert not (mirror / "checkpoints" / "3" / "opt_state").exists() and (mirror / "checkpoints" / "3" / "ema").is_dir()
+    opts = ServeOptions(preset="tiny", runs=[str(mirror)], prompts=PROMPTS, presets_file=presets, once=True,
+                        wandb=False)
+    done = serve(opts, log=lambda _: None)[str(mirror)]
+    assert sorted(int(s) for s in done["tiny"]) == [0, 3]
+    for step in (0, 3):
+        entry = done["tiny"][str(step)]
+        assert entry["status"] == "done" and len(entry["videos"]) == 2
+        assert _video(os.path.join(str(mirror), entry["videos"][0])).shape == (4, 16, 16, 3)

@@ -67,8 +67,8 @@ def _assert_tree_equal(a, b):
 
 
 def _largest_array_file(step_dir) -> str:
-    """The largest chunk-data file of an OCDBT state (`state/**/d/*`)."""
-    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True) if os.path.isfile(f)]
+    """The largest chunk-data file of the OCDBT array items (`<item>/**/d/*`)."""
+    files = [f for f in glob.glob(os.path.join(step_dir, "*", "**", "d", "*"), recursive=True) if os.path.isfile(f)]
     return max(files, key=os.path.getsize)
 
 
@@ -201,7 +201,7 @@ def test_truncated_file_falls_back_without_tracebacks(tmp_path, capfd):
     gc.collect()  # abandoned read coroutines report at collection
     err = capfd.readouterr().err
     assert res["step"] == 1 and res["skipped"][0][0] == 2
-    assert "state unreadable" in res["skipped"][0][1]
+    assert "opt_state unreadable" in res["skipped"][0][1]  # w0..w11 are not weights: the opt_state item
     assert len(err.strip().splitlines()) == 1, err[-3000:]
     _no_traceback(err)
 
@@ -273,10 +273,13 @@ def test_saved_on_8_devices_verifies_on_1(three_steps, capfd):
     assert "skipped" not in capfd.readouterr().err
 
 
+OLD_ITEMS = ("state", "config", "data", "meta")  # the single-item layout (checkpoint_format 2 and older)
+
+
 def _save_old_format(root, step, state):
     """A checkpoint as the previous version of this project wrote it: no integrity record."""
     opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with ocp.CheckpointManager(str(root), options=opts, item_names=ck.ITEMS) as m:
+    with ocp.CheckpointManager(str(root), options=opts, item_names=OLD_ITEMS) as m:
         m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave({}),
                                              data=ocp.args.JsonSave({}), meta=ocp.args.JsonSave({})))
 

@@ -37,8 +37,10 @@ def _params(ckpt_dir, step=None):
 
     root = os.path.join(ckpt_dir, "checkpoints") if os.path.isdir(os.path.join(ckpt_dir, "checkpoints")) else ckpt_dir
     step = step if step is not None else max(int(d) for d in os.listdir(root) if d.isdigit())
+    state = {}
     with ocp.StandardCheckpointer() as c:
-        state = c.restore(os.path.join(root, str(step), "state"))
+        for item in ("params", "ema", "opt_state"):  # {field: subtree} each; step is in opt_state
+            state.update(c.restore(os.path.join(root, str(step), item)))
     flat = {}
     for name in ("params", "ema", "step"):
         for path, v in jax.tree_util.tree_flatten_with_path(state[name])[0]:
@@ -70,7 +72,7 @@ def test_checkpoint_layout_and_contents(reference_run):
     out, _ = reference_run
     ckdir = os.path.join(out, "ref", "checkpoints")
     assert sorted(int(d) for d in os.listdir(ckdir) if d.isdigit()) == [0, 3, 6]  # start, every 3, end
-    for item in ("state", "config", "data", "meta"):
+    for item in ("params", "frozen", "ema", "opt_state", "config", "data", "meta"):
         assert os.path.isdir(os.path.join(ckdir, "6", item))
     data = _json(os.path.join(out, "ref"), 6, "data")
     assert data["epoch"] == 1 and data["index"] == 1  # 5 steps per epoch
@@ -87,7 +89,7 @@ def test_resume_after_sigkill_is_bit_exact(reference_run, tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ck = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
-    while time.time() < deadline and not (ck / "6" / "state").is_dir() and proc.poll() is None:
+    while time.time() < deadline and not (ck / "6" / "params").is_dir() and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
