@@ -24,7 +24,6 @@ path, as in training). Every distinct (rows, latent shape, conditioned or not) c
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
@@ -90,24 +89,6 @@ def _read_config(step_dir: str) -> dict:
 
     cfg = native.read_config(step_dir)
     return cfg.get("config", cfg) if isinstance(cfg, dict) and "model" not in cfg else cfg
-
-
-class _OrbaxWarnings(logging.Filter):
-    """Orbax's warnings while reading weights (e.g. no _CHECKPOINT_METADATA in a converter output)."""
-
-    def filter(self, record):
-        return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
-
-
-@contextlib.contextmanager
-def _quiet_orbax_warnings():
-    f = _OrbaxWarnings()
-    logger = logging.getLogger("absl")
-    logger.addFilter(f)
-    try:
-        yield
-    finally:
-        logger.removeFilter(f)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,7 +402,9 @@ class Pipeline:
             sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
             targets[tuple(path)] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sh)
         weights = "ema" if ema else "params"
-        with _quiet_orbax_warnings():
+        from jaxsora.train.checkpoint import quiet_orbax
+
+        with quiet_orbax(logging.ERROR):  # e.g. no _CHECKPOINT_METADATA in a converter output
             try:
                 loaded = sharded.read_native_weights(step_dir, targets, ema=ema)
             except WeightsError as e:

@@ -242,16 +242,24 @@ class _AbandonedReadLogs(logging.Filter):
 
 
 class _OrbaxChatter(logging.Filter):
-    """While reading checkpoints: drops orbax's own log records (warnings about metadata files of
-    the item folders it reads, errors it also raises — which become one line)."""
+    """While reading checkpoints: drops orbax's own log records below `level` (by default all:
+    warnings about metadata files of the item folders it reads, errors it also raises — which
+    become one line)."""
+
+    def __init__(self, level: Optional[int] = None):
+        super().__init__()
+        self.level = level
 
     def filter(self, record):
+        if self.level is not None and record.levelno >= self.level:
+            return True
         return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
 
 
 @contextlib.contextmanager
-def _quiet_orbax():
-    f = _OrbaxChatter()
+def quiet_orbax(level: Optional[int] = None):
+    """Orbax's log records below `level` (None: all of them) are dropped inside the block."""
+    f = _OrbaxChatter(level)
     logger = logging.getLogger("absl")
     logger.addFilter(f)
     try:
@@ -850,7 +858,7 @@ def restore(directory: str, target, *, step: Optional[int] = None, items: tuple 
     skipped: list[tuple[int, str]] = []
     for i, s in enumerate(candidates):
         try:
-            with _quiet_orbax():
+            with quiet_orbax():
                 res, note = _restore_step(root, s, target, items, verify)
         except _MissingItem as e:
             raise CheckpointError(f"checkpoint step {s} in {root} {e}") from None
@@ -899,7 +907,7 @@ def weight_fields(step_dir: str, ema: bool = False) -> list[tuple[str, str, Any]
     metadata only (the per-item layout: params/, ema/, frozen/; the older one: state/). Raises
     CheckpointError when the weights asked for are not there ("... has no 'ema' entry ...")."""
     _install_noise_filters()
-    with _quiet_orbax():
+    with quiet_orbax():
         return _weight_fields(step_dir, "ema" if ema else "params")
 
 
@@ -933,7 +941,7 @@ def read_weights(step_dir: str, fields) -> dict:
     _install_noise_filters()
     fields = list(fields)
     out: dict[str, Any] = {}
-    with _quiet_orbax():
+    with quiet_orbax():
         if is_legacy_layout(step_dir):
             tree = _host_item(os.path.join(step_dir, LEGACY_ITEM), keep=lambda n: n.split(".", 1)[0] in fields)
             out = {f: v for f, v in _fields(tree).items() if f in fields}
@@ -1006,7 +1014,7 @@ def step_contents(step_dir: str) -> tuple[tuple, str]:
                     and os.path.isdir(os.path.join(step_dir, it)))
     if LEGACY_ITEM in present:
         try:
-            with _quiet_orbax():
+            with quiet_orbax():
                 fields = set(item_metadata_tree(os.path.join(step_dir, LEGACY_ITEM)))
         except Exception:  # noqa: BLE001 — reported by verify_step
             return present, "state/ layout"
@@ -1048,7 +1056,7 @@ def verify_step(root: str, step: int) -> StepReport:
     present, contents = step_contents(step_dir)
     report = dict(bytes=size, items=present, contents=contents)
     try:
-        with _quiet_orbax():
+        with quiet_orbax():
             record = _read_record(step_dir)
             if record is None:  # an older checkpoint: whatever items it has (converter outputs lack some)
                 jsons = [n for n in JSON_ITEMS if os.path.isdir(os.path.join(step_dir, n))]
