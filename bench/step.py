@@ -99,7 +99,7 @@ def inputs(cfg, s: Shape, mesh):
     return host_to_global(host, mesh)
 
 
-def bench_jax(s: Shape, args) -> dict:
+def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     import jax
 
     import jaxsora.models  # noqa: F401
@@ -116,7 +116,7 @@ def bench_jax(s: Shape, args) -> dict:
     plan = plan_state(cfg, tx, 0, mesh, logical_rules(mesh))
     fn = make_train_step(plan.graphdef, tx, encode_video=lambda e, v, k: v, encode_text=lambda e, y, m: y,
                          scheduler_cfg=dict(sample_method="logit-normal", use_timestep_transform=True),
-                         mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim))
+                         mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim), max_norm_growth=norm_guard)
     step = TrainStep(fn, plan)
     batch = inputs(cfg, s, mesh)
     spec = abstract_of(batch)
@@ -137,7 +137,8 @@ def bench_jax(s: Shape, args) -> dict:
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
     kind = jax.devices()[0].device_kind.lower()
     peak = args.peak_tflops or ((device_peak_flops(kind, s.dtype) or 0) / 1e12 or None)
-    return dict(impl="jaxsora (JAX)", device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
+    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard"),
+                device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
                 compile_s=info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
                 mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
@@ -212,6 +213,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (auto on H100/H200)")
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time the PyTorch step")
+    ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
+                    "e.g. 0,2 (0: off; 2: the default)")
     args = ap.parse_args(argv)
     if args.model:
         shapes = [Shape("custom", args.model, tuple(int(v) for v in args.latent.split("x")), args.batch, args.dtype,
@@ -220,7 +223,7 @@ def main(argv=None):
         shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     results = []
     for s in shapes:
-        rows = [bench_jax(s, args)]
+        rows = [bench_jax(s, args, float(g)) for g in args.norm_guard.split(",")]
         if args.reference:
             rows.append(bench_reference(s, args))
         results.append((s, rows))
@@ -239,8 +242,9 @@ def main(argv=None):
                   f"{r['model_tflops']:>10.3f} {fmt(r['xla_tflops'], '9.3f'):>9} "
                   f"{fmt(r['mfu'] and 100 * r['mfu'], '5.1f'):>6} {fmt(r['compile_s'], '9.1f'):>9} "
                   f"{fmt(r['peak_gib'], '8.2f'):>8}")
-        if len(rows) == 2:
-            print(f"{s.name:<14} jaxsora step time / Open-Sora step time: {rows[0]['step_s'] / rows[1]['step_s']:.2f}")
+        if args.reference:
+            for r in rows[:-1]:
+                print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {r['step_s'] / rows[-1]['step_s']:.2f}")
     for s, _ in results:
         cfg = model_config(s)
         print(f"  {s.name}: {s.model} depth {cfg.depth} hidden {cfg.hidden_size} heads {cfg.num_heads}, latents "
