@@ -39,14 +39,14 @@ def _reports(path: str, step):
 
 
 def cmd_list(args) -> int:
-    from jaxsora.train.checkpoint import _fmt_bytes
+    from jaxsora.train.orbax_errors import fmt_bytes
 
     root, reports, unfinished = _reports(args.dir, args.step)
     print(f"checkpoints in {root}")
     width = max([len("contents")] + [len(r.contents) for r in reports])
     print(f"{'step':>8}  {'size':>10}  {'contents':<{width}}  status")
     for r in reports:
-        print(f"{r.step:>8}  {_fmt_bytes(r.bytes):>10}  {r.contents:<{width}}  {r.status}"
+        print(f"{r.step:>8}  {fmt_bytes(r.bytes):>10}  {r.contents:<{width}}  {r.status}"
               + (f" ({r.reason})" if r.reason else ""))
     for name in unfinished:
         print(f"{name.split('.', 1)[0]:>8}  {'-':>10}  {'-':<{width}}  unfinished save ({name}; never read, replaced "

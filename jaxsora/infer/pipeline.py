@@ -402,7 +402,7 @@ class Pipeline:
             sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
             targets[tuple(path)] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sh)
         weights = "ema" if ema else "params"
-        from jaxsora.train.checkpoint import quiet_orbax
+        from jaxsora.train.orbax_errors import quiet_orbax
 
         with quiet_orbax(logging.ERROR):  # e.g. no _CHECKPOINT_METADATA in a converter output
             try:

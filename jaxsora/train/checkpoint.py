@@ -67,16 +67,12 @@ another. `python -m jaxsora.ckpt list|verify DIR` checks checkpoints without a m
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import hashlib
 import json
-import logging
 import os
-import re
 import shutil
-import sys
 import threading
 import time
 from typing import Any, Optional
@@ -86,6 +82,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxsora.errors import UserError
+from jaxsora.train.orbax_errors import (fmt_bytes, install_noise_filters, io_failure, one_line_error, quiet_orbax, say,
+                                        write_json_atomic)
 from jaxsora.train.fingerprint import (array_name, device_fingerprints, fetch_fingerprints, format_fingerprint,
                                       host_fingerprint)
 
@@ -175,163 +173,6 @@ def has_weights(step_dir: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# quiet failures: orbax/tensorstore print tracebacks from background threads
-# ----------------------------------------------------------------------------------------------
-# What a failed read or write leaves behind besides the exception we turn into one line:
-# - orbax logs the exception (with traceback) from its save threads (absl logger, ERROR);
-# - when one read fails, orbax closes its event loop while other tensorstore reads are still
-#   running; their completion callbacks then raise "Event loop is closed", the abandoned read
-#   coroutines raise when garbage collected (both reported through sys.unraisablehook), and the
-#   abandoned futures log "Future exception was never retrieved" (asyncio logger).
-# The filters below drop exactly those records; everything else passes.
-_IO_TEXT = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|Input/output error|"
-                      r"os_error_code='\d+'|RESOURCE_EXHAUSTED|Stale file handle")
-_STORE_TEXT = re.compile(r"OCDBT|TensorStore|tensorstore|zarr|Encountered error while reading|Event loop is closed")
-
-
-def _chain(exc):
-    """An exception, its causes/contexts and the members of exception groups (depth-limited)."""
-    todo, seen, out = [exc], set(), []
-    while todo and len(out) < 32:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        out.append(e)
-        todo.extend([e.__cause__, e.__context__, *getattr(e, "exceptions", ())])
-    return out
-
-
-def _io_failure(exc) -> Optional[str]:
-    """The reason (e.g. 'No space left on device') when `exc` is, or wraps, a filesystem error."""
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno is not None:
-            return os.strerror(e.errno)
-    for e in _chain(exc):
-        m = re.search(r"os_error_code='(\d+)'", str(e))
-        if m:
-            return os.strerror(int(m.group(1)))
-        m = _IO_TEXT.search(str(e))
-        if m:
-            return m.group(0)
-    for e in _chain(exc):
-        if isinstance(e, OSError):
-            return str(e) or type(e).__name__
-    return None
-
-
-class _OrbaxIOErrorLogs(logging.Filter):
-    """Drops orbax's own ERROR logs of a filesystem failure (re-raised to the caller in one line)."""
-
-    def filter(self, record):
-        if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in (record.pathname or ""):
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        return not ((exc is not None and _io_failure(exc)) or _IO_TEXT.search(record.getMessage()))
-
-
-class _AbandonedReadLogs(logging.Filter):
-    """Drops asyncio's reports of tensorstore reads abandoned after another read failed."""
-
-    def filter(self, record):
-        msg = record.getMessage()
-        if "exception was never retrieved" not in msg and not msg.startswith("Exception in callback"):
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        return not _STORE_TEXT.search(msg + " " + " ".join(str(e) for e in _chain(exc)))
-
-
-class _OrbaxChatter(logging.Filter):
-    """While reading checkpoints: drops orbax's own log records below `level` (by default all:
-    warnings about metadata files of the item folders it reads, errors it also raises — which
-    become one line)."""
-
-    def __init__(self, level: Optional[int] = None):
-        super().__init__()
-        self.level = level
-
-    def filter(self, record):
-        if self.level is not None and record.levelno >= self.level:
-            return True
-        return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
-
-
-@contextlib.contextmanager
-def quiet_orbax(level: Optional[int] = None):
-    """Orbax's log records below `level` (None: all of them) are dropped inside the block."""
-    f = _OrbaxChatter(level)
-    logger = logging.getLogger("absl")
-    logger.addFilter(f)
-    try:
-        yield
-    finally:
-        logger.removeFilter(f)
-
-
-def _abandoned_read_noise(unraisable) -> bool:
-    exc = unraisable.exc_value
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-        return True
-    # orbax's read coroutines abandoned by the failed gather, closed at garbage collection
-    code = getattr(unraisable.object, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-
-
-def _install_noise_filters():
-    """Idempotent. The unraisable hook is re-installed when something replaced it (pytest does,
-    per test)."""
-    for name, cls in (("absl", _OrbaxIOErrorLogs), ("asyncio", _AbandonedReadLogs)):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, cls) for f in logger.filters):
-            logger.addFilter(cls())
-    previous = sys.unraisablehook
-    if getattr(previous, "_jaxsora_filter", False):
-        return
-
-    def hook(unraisable):
-        if not _abandoned_read_noise(unraisable):
-            previous(unraisable)
-
-    hook._jaxsora_filter = True
-    sys.unraisablehook = hook
-
-
-def _one_line(exc, limit: int = 240) -> str:
-    """The root cause of an orbax/tensorstore exception as one line of at most `limit` characters
-    (tensorstore appends its whole spec and source locations; they are cut)."""
-    chain = [e for e in _chain(exc) if str(e).strip()]
-    e = chain[-1] if chain else exc
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = re.split(r" \[(?:source locations|tensorstore_spec)=", text)[0]
-    if isinstance(e, KeyError):
-        text = text.strip("'\"")
-    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _say(msg: str):
-    if jax.process_index() == 0:
-        print(f"[jaxsora] {msg}", file=sys.stderr, flush=True)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _write_json_atomic(path: str, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------------------------
 # saving
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -363,7 +204,7 @@ class Checkpointer:
     def __init__(self, directory: str, *, keep: Optional[int] = 3, async_save: bool = True):
         if keep is not None and keep < 0:
             raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
-        _install_noise_filters()
+        install_noise_filters()
         self.directory = os.path.abspath(directory)
         self._key = os.path.realpath(self.directory)  # for _REPLACE_STEPS
         self.keep = None if not keep else int(keep)  # orbax: max_to_keep=0 would delete every step
@@ -385,7 +226,7 @@ class Checkpointer:
             return ocp.CheckpointManager(self.directory, options=opts, item_names=ITEMS)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create the checkpoint folder {self.directory}: "
-                                       f"{_io_failure(e)}") from None
+                                       f"{io_failure(e)}") from None
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -483,12 +324,12 @@ class Checkpointer:
                    arrays={n: dict(i, item=_array_item(n), fingerprint=f) for n, i, f in zip(rec.names, rec.info, fps)})
         tmp = sorted(glob.glob(os.path.join(self.directory, f"{rec.step}{TMP_SUFFIX}*")))
         folder = tmp[-1] if tmp else os.path.join(self.directory, str(rec.step))
-        _write_json_atomic(os.path.join(folder, INTEGRITY_FILE), doc)
+        write_json_atomic(os.path.join(folder, INTEGRITY_FILE), doc)
 
     def _failed(self, step: Optional[int], nbytes: int, exc: BaseException):
         """A save that raised: filesystem errors → remove the partial folder, fresh manager,
         CheckpointWriteError (raised from here); anything else returns (the caller re-raises)."""
-        reason = _io_failure(exc)
+        reason = io_failure(exc)
         with self._lock:
             self._pending = None
         self._in_flight = None
@@ -502,7 +343,7 @@ class Checkpointer:
             if not os.path.isfile(os.path.join(where, INTEGRITY_FILE)):
                 shutil.rmtree(where, ignore_errors=True)
         try:
-            free = _fmt_bytes(shutil.disk_usage(self.directory).free)
+            free = fmt_bytes(shutil.disk_usage(self.directory).free)
         except OSError:
             free = "unknown"
         try:  # the failed manager re-raises its error on every call: replace it
@@ -513,7 +354,7 @@ class Checkpointer:
         what = f"checkpoint step {step}" if step is not None else "a checkpoint"
         raise CheckpointWriteError(
             f"{what} could not be written to {where}: {reason} (it needs about "
-            f"{_fmt_bytes(nbytes)}, {free} free); the partial folder was removed, earlier checkpoints "
+            f"{fmt_bytes(nbytes)}, {free} free); the partial folder was removed, earlier checkpoints "
             f"are intact") from None
 
 
@@ -605,7 +446,7 @@ def _read_record(step_dir: str) -> Optional[dict]:
         with open(path) as f:
             rec = json.load(f)
     except (OSError, ValueError) as e:
-        raise _Unusable(f"{INTEGRITY_FILE} unreadable ({_one_line(e)})") from None
+        raise _Unusable(f"{INTEGRITY_FILE} unreadable ({one_line_error(e)})") from None
     if not isinstance(rec, dict) or rec.get("complete") is not True or not isinstance(rec.get("arrays"), dict):
         raise _Unusable(f"partial: {INTEGRITY_FILE} does not mark the save complete")
     return rec
@@ -625,7 +466,7 @@ def _entries(step_dir: str) -> set:
     try:
         entries = set(os.listdir(step_dir))
     except OSError as e:
-        raise _Unusable(f"unreadable folder ({_one_line(e)})") from None
+        raise _Unusable(f"unreadable folder ({one_line_error(e)})") from None
     if not entries:
         raise _Unusable("empty folder")
     return entries
@@ -741,7 +582,7 @@ def _restore_step(root: str, step: int, target, items, verify: bool) -> tuple[di
                 sub = {f: v for f, v in tfields.items() if item_of(f) == name}
                 fields.update(_fields(_restore_tree(os.path.join(step_dir, name), sub)))
         except Exception as e:  # noqa: BLE001 — any orbax/tensorstore/json error: this step is unusable
-            failure = f"{name} unreadable ({_one_line(e)})"
+            failure = f"{name} unreadable ({one_line_error(e)})"
             break
     if not _agree(failure is None):
         raise _Unusable(failure or "unreadable on another process")
@@ -851,7 +692,7 @@ def restore(directory: str, target, *, step: Optional[int] = None, items: tuple 
     {field: subtree} of the fields read, "items": [array items read], "config": dict, "data": dict,
     "meta": dict (those asked for), "skipped": [(step, reason), ...]}.
     """
-    _install_noise_filters()
+    install_noise_filters()
     items = _expand_items(items)
     root, named = resolve_checkpoint(directory, step)
     candidates = [int(named)] if named is not None else checkpoint_steps(root)[::-1]
@@ -868,11 +709,11 @@ def restore(directory: str, target, *, step: Optional[int] = None, items: tuple 
             skipped.append((s, str(e)))
             _REPLACE_STEPS.setdefault(os.path.realpath(root), set()).add(s)
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
-            _say(f"checkpoint step {s} skipped: {e}; "
+            say(f"checkpoint step {s} skipped: {e}; "
                  + (f"trying step {nxt}" if nxt is not None else "no older checkpoint left"))
             continue
         if note:
-            _say(note)
+            say(note)
         res["skipped"] = skipped
         return res
     raise CheckpointError(f"no intact checkpoint in {root}: "
@@ -906,7 +747,7 @@ def weight_fields(step_dir: str, ema: bool = False) -> list[tuple[str, str, Any]
     variables, in lookup order: "ema" or "params", then the frozen variables — read from the items'
     metadata only (the per-item layout: params/, ema/, frozen/; the older one: state/). Raises
     CheckpointError when the weights asked for are not there ("... has no 'ema' entry ...")."""
-    _install_noise_filters()
+    install_noise_filters()
     with quiet_orbax():
         return _weight_fields(step_dir, "ema" if ema else "params")
 
@@ -938,7 +779,7 @@ def read_weights(step_dir: str, fields) -> dict:
     """{field: subtree of numpy arrays} of some weight fields ("params", "ema", "frozen", ... as
     `weight_fields` gives them) of one step folder, verified against its integrity record (the
     arrays read only). The optimizer's item is never opened."""
-    _install_noise_filters()
+    install_noise_filters()
     fields = list(fields)
     out: dict[str, Any] = {}
     with quiet_orbax():
@@ -1050,7 +891,7 @@ def verify_step(root: str, step: int) -> StepReport:
     and every array readable and equal to its recorded checksum. No model config, no devices; the
     arrays are read in groups of at most _VERIFY_GROUP_BYTES. A step without the opt_state item (a
     copy of the weights) is intact when the items it has are."""
-    _install_noise_filters()
+    install_noise_filters()
     step_dir = os.path.join(root, str(step))
     size = folder_bytes(step_dir)
     present, contents = step_contents(step_dir)
@@ -1078,7 +919,7 @@ def verify_step(root: str, step: int) -> StepReport:
                 try:
                     value = _read_json_item(step_dir, name)
                 except (OSError, ValueError) as e:
-                    raise _Unusable(f"{name} unreadable ({_one_line(e)})") from None
+                    raise _Unusable(f"{name} unreadable ({one_line_error(e)})") from None
                 if record is not None and _json_digest(value) != record["json_sha256"][name]:
                     raise _Unusable(f"checksum mismatch in the {name} item")
             names, info, fps = [], [], []
@@ -1086,7 +927,7 @@ def verify_step(root: str, step: int) -> StepReport:
                 try:
                     n, inf, f = _grouped_host_fingerprints(os.path.join(step_dir, folder))
                 except Exception as e:  # noqa: BLE001 — any orbax/tensorstore error
-                    raise _Unusable(f"{folder} unreadable ({_one_line(e)})") from None
+                    raise _Unusable(f"{folder} unreadable ({one_line_error(e)})") from None
                 names, info, fps = names + n, info + inf, fps + f
             if record is None:
                 return StepReport(step, "unverified", f"no {INTEGRITY_FILE}: an older checkpoint or a converter output",
