@@ -1,0 +1,341 @@
+"""Streaming tables for the data tools (`filter`, `dedup`, `merge`, `split`, `stats`).
+
+A table is what `jaxsora.data.tables` accepts: a CSV or parquet file, a folder of them or a glob
+(`meta_*.csv`), read in name order. Nothing here holds a whole table: `iter_chunks` reads a CSV
+with pandas' `chunksize` and a parquet file with pyarrow's `iter_batches`, with one tqdm bar on
+stderr over the bytes of all the files, and `TableWriter` appends chunk by chunk.
+
+Paths: a relative `path` resolves against the folder of the table file that holds it. A writer
+re-roots relative paths at its own folder (absolute ones stay absolute), so every output still
+loads with `jaxsora.data.tables` wherever it is written.
+
+CSV values pass through as text (`24` stays `24`, `007` stays `007`, a caption `NA` stays `NA`);
+the tools read numbers from them where they compare them. A CSV written to parquet gets numeric
+columns where every value of a column is a number. Outputs are written to a temporary file beside
+the output and renamed into place at the end: a failed run leaves no half-written table, and
+`--output` may name an input (with `--overwrite`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from jaxsora.errors import BadInput, OutputExists, UnknownKey, UserError, run_cli
+
+DEFAULT_CHUNK_ROWS = 100_000
+STRING_COLUMNS = ("path", "text")  # never turned into numbers
+
+
+# ---- command line -------------------------------------------------------------------------------
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A tool's parser; the tool adds its flags, then `parse_args` adds the common ones and parses."""
+    return argparse.ArgumentParser(prog=f"python -m data_tools.{prog}", description=doc, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]], known: bool = False):
+    """Parse with the flags every tool has; `known`: also return the arguments left over."""
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_ROWS, metavar="ROWS",
+                    help=f"rows read and written at a time (default {DEFAULT_CHUNK_ROWS})")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
+    return ap.parse_known_args(argv) if known else ap.parse_args(argv)
+
+
+def run(prog: str, body: Callable[[], int], argv: Optional[Sequence[str]]) -> int:
+    """A tool's body under `run_cli`: a user error is one line on stderr and exit code 2."""
+    return run_cli(f"data_tools.{prog}", body, sys.argv if argv is None else list(argv))
+
+
+def check_chunk_size(n: int) -> int:
+    if n < 1:
+        raise BadInput(f"--chunk-size must be ≥ 1, got {n}")
+    return n
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def input_files(tables: str | Sequence[str]) -> list[str]:
+    """The files of one or several tables (each a file, folder or glob), in order."""
+    from jaxsora.data.tables import table_files
+
+    tables = [tables] if isinstance(tables, str) else list(tables)
+    files = []
+    for t in tables:
+        if not any(c in t for c in "*?[") and not os.path.exists(t):
+            raise BadInput(f"no such table: {t}")
+        files += [os.path.abspath(f) for f in table_files(t)]
+    return files
+
+
+def file_columns(path: str) -> list[str]:
+    """A table file's column names (its header or parquet schema only)."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return list(pq.ParquetFile(path).schema_arrow.names)
+        return list(pd.read_csv(path, nrows=0).columns)
+    except Exception as e:
+        raise BadInput(f"cannot read table {path}: {type(e).__name__}: {one_line_error(e)}") from e
+
+
+def union_columns(files: Sequence[str]) -> list[str]:
+    """Every column of the files, in order of first appearance."""
+    out: dict[str, None] = {}
+    for f in files:
+        out.update(dict.fromkeys(file_columns(f)))
+    return list(out)
+
+
+def require_columns(files: Sequence[str], columns: Sequence[str], why: str = "") -> None:
+    """UnknownKey naming the first file that lacks one of `columns`, and the columns it has."""
+    for f in files:
+        have = file_columns(f)
+        missing = [c for c in columns if c not in have]
+        if missing:
+            what = f" (needed by {why})" if why else ""
+            raise UnknownKey(f"table {f} has no column {', '.join(map(repr, missing))}{what}; its columns: {have}")
+
+
+@dataclasses.dataclass
+class Chunk:
+    file: str  # absolute path of the table file
+    index: int  # its position in the list of files read
+    base: str  # its folder: where its relative paths resolve
+    df: pd.DataFrame
+    start: int  # row id of the chunk's first row, counted across all the files
+    raw: bool  # values as CSV text (not typed)
+
+
+def one_line_error(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def iter_chunks(files: Sequence[str], chunk_rows: int = DEFAULT_CHUNK_ROWS, columns: Optional[Sequence[str]] = None,
+                desc: str = "reading", progress: bool = True) -> Iterator[Chunk]:
+    """The rows of the files, `chunk_rows` at a time (a chunk never spans two files). `columns`: read
+    only these (each file must have them). Progress: one bar over the bytes of all files."""
+    from tqdm.auto import tqdm
+
+    check_chunk_size(chunk_rows)
+    sizes = [os.path.getsize(f) for f in files]
+    bar = tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    start, done = 0, 0
+    try:
+        for i, (f, size) in enumerate(zip(files, sizes)):
+            base = os.path.dirname(f)
+            try:
+                for df, fraction in _file_chunks(f, chunk_rows, columns):
+                    bar.update(done + int(size * fraction) - bar.n)
+                    bar.set_postfix_str(f"{start + len(df):,} rows", refresh=False)
+                    yield Chunk(f, i, base, df, start, raw=not f.endswith(".parquet"))
+                    start += len(df)
+            except (UserError, GeneratorExit):
+                raise
+            except Exception as e:  # a malformed line, a truncated parquet file, ...
+                raise BadInput(f"cannot read table {f}: {type(e).__name__}: {one_line_error(e)}") from e
+            done += size
+            bar.update(done - bar.n)
+    finally:
+        bar.close()
+
+
+def _file_chunks(path: str, chunk_rows: int, columns: Optional[Sequence[str]]):
+    """(DataFrame, fraction of the file read so far) per chunk of one file."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        total, seen = max(pf.metadata.num_rows, 1), 0
+        for batch in pf.iter_batches(batch_size=chunk_rows, columns=list(columns) if columns else None):
+            seen += batch.num_rows
+            yield batch.to_pandas(), seen / total
+        return
+    size = max(os.path.getsize(path), 1)
+    with open(path, "rb") as fh:
+        # keep_default_na=False: a caption "NA" or "null" stays a caption (as jaxsora.data.tables reads it)
+        reader = pd.read_csv(fh, chunksize=chunk_rows, usecols=list(columns) if columns else None, dtype=str,
+                             keep_default_na=False, na_values=[""])
+        for df in reader:
+            yield df, min(fh.tell() / size, 1.0)
+
+
+def is_missing(p) -> bool:
+    return p is None or (isinstance(p, float) and np.isnan(p)) or p is pd.NA
+
+
+def resolve_paths(values, base: str) -> list[str]:
+    """Normalized absolute paths: relative ones resolve against `base` (a missing value gives '')."""
+    return ["" if is_missing(p) else os.path.normpath(os.path.join(base, str(p))) for p in values]
+
+
+def rebase_paths(values, src: str, dst: str) -> list:
+    """Relative paths that resolved against folder `src` rewritten to resolve from `dst`; absolute
+    paths and missing values as they are."""
+    if os.path.normpath(src) == os.path.normpath(dst):
+        return list(values)
+    return [p if is_missing(p) or os.path.isabs(str(p)) else os.path.relpath(os.path.join(src, str(p)), dst)
+            for p in values]
+
+
+def numeric(df: pd.DataFrame, column: str) -> np.ndarray:
+    """A column as float64 (a value that is not a number: NaN)."""
+    return pd.to_numeric(df[column], errors="coerce").to_numpy(np.float64)
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def check_output(path: str, overwrite: bool) -> None:
+    if os.path.isdir(path):
+        raise OutputExists(f"the output {path} is a folder; name a .csv or .parquet file")
+    if os.path.exists(path) and not overwrite:
+        raise OutputExists(f"the output {path} exists; pass --overwrite to replace it")
+
+
+class TableWriter:
+    """One output table (CSV, or parquet if the name ends in .parquet) written chunk by chunk.
+
+    `columns`: the output's columns in order; a chunk lacking one gets it empty. `write(chunk, rows)`
+    re-roots the chunk's relative paths from its file's folder to the output's folder. The file appears at
+    `close()` (renamed from a temporary file); `abort()` (or leaving the `with` block on an error)
+    removes what was written.
+    """
+
+    def __init__(self, path: str, columns: Sequence[str], overwrite: bool = False):
+        check_output(path, overwrite)
+        self.path = os.path.abspath(path)
+        self.folder = os.path.dirname(self.path)
+        self.columns = list(columns)
+        self.parquet = path.endswith(".parquet")
+        self.rows = 0
+        os.makedirs(self.folder, exist_ok=True)
+        name = os.path.basename(self.path)
+        self._tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=self.folder)
+        self._parts: list[str] = []
+        self._csv = None
+        if not self.parquet:
+            self._csv = open(os.path.join(self._tmp, name), "w", newline="", encoding="utf-8")
+            pd.DataFrame(columns=self.columns).to_csv(self._csv, index=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+    def write(self, chunk: Chunk, rows: Optional[np.ndarray] = None) -> None:
+        """The chunk's rows (all, or those of a boolean mask / index array), paths re-rooted here."""
+        df = chunk.df if rows is None else chunk.df[rows] if np.asarray(rows).dtype == bool else chunk.df.iloc[rows]
+        if not len(df):
+            return
+        df = df.reindex(columns=self.columns)
+        if "path" in df.columns:
+            df["path"] = rebase_paths(df["path"].tolist(), chunk.base, self.folder)
+        self.rows += len(df)
+        if self._csv is not None:
+            df.to_csv(self._csv, index=False, header=False)
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if chunk.raw:
+            df = _numbers_from_text(df)
+        part = os.path.join(self._tmp, f"part{len(self._parts):06d}.parquet")
+        t = pa.Table.from_pandas(df, preserve_index=False)
+        # a column empty throughout the chunk has no type of its own: the other chunks give it one
+        t = pa.table([pa.nulls(len(t)) if c.null_count == len(t) else c for c in t.columns], names=t.column_names)
+        pq.write_table(t, part)
+        self._parts.append(part)
+
+    def close(self) -> str:
+        try:
+            if self._csv is not None:
+                self._csv.close()
+                os.replace(self._csv.name, self.path)
+            else:
+                self._finish_parquet()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        return self.path
+
+    def abort(self) -> None:
+        if self._csv is not None:
+            self._csv.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _finish_parquet(self) -> None:
+        """The parts (one per chunk, each with the types pandas gave it) → one file with one schema:
+        int and float → float, a column empty in some chunks → the type of the others, a column
+        both text and numbers → text."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schemas = [pq.read_schema(p) for p in self._parts]
+        schema = pa.schema([pa.field(c, _unify_types([s.field(c).type for s in schemas if c in s.names]))
+                            for c in self.columns])
+        out = os.path.join(self._tmp, "table.parquet")
+        with pq.ParquetWriter(out, schema) as w:
+            for p in self._parts:
+                t = pq.read_table(p)
+                arrays = [_cast(t.column(c), f.type) if c in t.column_names else pa.nulls(len(t), f.type)
+                          for c, f in zip(self.columns, schema)]
+                w.write_table(pa.Table.from_arrays(arrays, schema=schema))
+                os.remove(p)
+        os.replace(out, self.path)
+
+
+def _numbers_from_text(df: pd.DataFrame) -> pd.DataFrame:
+    """CSV text columns whose every value is a number (or empty) as numbers (not path or text)."""
+    df = df.copy()
+    for c in df.columns:
+        if c in STRING_COLUMNS or df[c].isna().all():
+            continue
+        try:
+            df[c] = pd.to_numeric(df[c])
+        except (ValueError, TypeError):
+            pass
+    return df
+
+
+def _unify_types(types):
+    """One type for a column's types in the chunks; as pandas reads a whole column at once, integers
+    with missing values (a chunk where the column is empty) become floats."""
+    import pyarrow as pa
+
+    known = [t for t in types if not pa.types.is_null(t)]
+    if not known:
+        return pa.string()
+    try:
+        t = pa.unify_schemas([pa.schema([("c", t)]) for t in known], promote_options="permissive").field("c").type
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return pa.large_string()
+    return pa.float64() if pa.types.is_integer(t) and len(known) < len(types) else t
+
+
+def _cast(column, target):
+    if column.type == target:
+        return column
+    return column.cast(target)
+
+
+def thread_map(fn: Callable, items: Sequence, workers: int) -> list:
+    """`[fn(x) for x in items]`, in order, over `workers` threads (file checks and reads wait on I/O)."""
+    if workers <= 1 or len(items) < 2:
+        return [fn(x) for x in items]
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(min(workers, len(items))) as ex:
+        return list(ex.map(fn, items))
