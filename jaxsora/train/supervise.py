@@ -12,6 +12,9 @@ one-owner lock of a run folder.
 - `RunLock`: `<run>/run.lock` holds host, pid and start time of the run that owns the folder; a
   second run refuses to start there, naming the first; a lock left by a dead process on this host
   is taken over with a warning.
+- `write_heartbeat`: `<run>/heartbeat/<process>.json` (step, time, pid, host), written atomically
+  each log step; `register_stack_dump`: SIGUSR2 appends every thread's stack to
+  `<run>/stacks/<process>.txt`. Both are read by `python -m jaxsora.cluster status` / `dump`.
 """
 from __future__ import annotations
 
@@ -262,3 +265,77 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+# --- Heartbeat and on-demand stack dumps (read by `python -m jaxsora.cluster status` / `dump`) ---
+
+HEARTBEAT_DIR = "heartbeat"
+STACKS_DIR = "stacks"
+# The signal that makes a trainer write every thread's stack (`register_stack_dump`). SIGUSR1 is
+# taken (loader workers answer the watchdog with it); SIGUSR2's default action terminates, so
+# `jaxsora.cluster dump` only sends it to a process whose SigCgt mask shows a handler for it.
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+_heartbeat_warned = False
+_stack_file = None  # kept open: faulthandler writes to its descriptor when the signal arrives
+
+
+def _proc_start(pid: int) -> Optional[str]:
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22; None off Linux):
+    with the pid, it tells a process from a later one that reused its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def write_heartbeat(run_dir: str, process_index: int, step: Optional[int], **extra) -> Optional[str]:
+    """Write `<run_dir>/heartbeat/<process_index>.json` = {"step", "time", "pid", "host", "process",
+    "pid_start", **extra} atomically (a temporary file, then `os.replace`), so a reader never sees
+    half a file. Cheap (one small file); call it every log step (step None: not known yet, e.g. at
+    start-up). A failure to write (a full or flaky filesystem) is said once on stderr and never
+    stops training. `python -m jaxsora.cluster status` shows step and age; under SLURM its pid and
+    host are how `cluster stop/dump` find the trainers. Returns the path, or None."""
+    global _heartbeat_warned
+    folder = os.path.join(run_dir, HEARTBEAT_DIR)
+    path = os.path.join(folder, f"{int(process_index)}.json")
+    info = dict(step=None if step is None else int(step), time=time.time(), pid=os.getpid(),
+                host=socket.gethostname(), process=int(process_index), pid_start=_proc_start(os.getpid()), **extra)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if not _heartbeat_warned:
+            _heartbeat_warned = True
+            print(f"[jaxsora] cannot write the heartbeat {path}: {e} (training goes on; said once)",
+                  file=sys.stderr, flush=True)
+        return None
+    return path
+
+
+def register_stack_dump(path_or_dir: str, process_index: int = 0) -> str:
+    """On `STACK_DUMP_SIGNAL` (SIGUSR2), append every Python thread's stack to a file, without
+    stopping the process (`faulthandler.register(..., all_threads=True)`).
+
+    `path_or_dir`: a run folder → `<run>/stacks/<process_index>.txt`; a path ending in `.txt` →
+    that file. Call once at start-up, as soon as the run folder is known and before anything
+    can hang (compilation, the loader, the first collectives). `python -m jaxsora.cluster dump`
+    (or `kill -USR2 PID`) then asks for the stacks. Calling it again moves the dump to the new
+    file. Returns the file's path."""
+    global _stack_file
+    if path_or_dir.endswith(".txt"):
+        path = path_or_dir
+    else:
+        path = os.path.join(path_or_dir, STACKS_DIR, f"{int(process_index)}.txt")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    f = open(path, "a", buffering=1)
+    f.write(f"# jaxsora stacks of process {process_index}, pid {os.getpid()} on {socket.gethostname()}; "
+            f"every `kill -{STACK_DUMP_SIGNAL.name[3:]} {os.getpid()}` appends all threads' stacks\n")
+    faulthandler.register(STACK_DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+    old, _stack_file = _stack_file, f
+    if old is not None:
+        old.close()
+    return path
