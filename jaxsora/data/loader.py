@@ -59,15 +59,33 @@ PARENT_POLL_S = 0.5
 _ENDLESS = 1 << 50
 
 
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a container's or a job's share)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_codec_threads(num_workers: int, decode_threads: int = 1, cores: Optional[int] = None) -> int:
+    """Decoder threads per sample when none are given: the host's cores over the threads decoding at
+    once (worker processes × grain read threads), at least 1 and at most 4 — frame threading adds a
+    frame of delay and a decoder context per thread, which a window of a few dozen frames per sample
+    does not repay beyond a few threads."""
+    busy = max(1, int(num_workers)) * max(1, int(decode_threads))
+    return max(1, min(4, (cores or host_cores()) // busy))
+
+
 class _PlanSource:
     """The random-access source behind the grain dataset: element k → the host share of the k-th
     batch after (epoch, index). Pickled into each worker (the table travels as its index folder)."""
 
     def __init__(self, table: TableIndex, bucket_config: dict, extra_resolutions, *, seed: int, dp: int,
                  frame_interval: int, process_index: int, process_count: int, epoch: int, index: int,
-                 planner: Optional[plan_lib.Planner] = None, text_inputs: Optional[Callable] = None):
+                 planner: Optional[plan_lib.Planner] = None, text_inputs: Optional[Callable] = None,
+                 codec_threads: int = 1):
         self.table, self.bucket_config, self.extra_resolutions = table, bucket_config, extra_resolutions
-        self.text_inputs = text_inputs
+        self.text_inputs, self.codec_threads = text_inputs, max(1, int(codec_threads))
         self.seed, self.dp, self.frame_interval = seed, dp, frame_interval
         self.process_index, self.process_count = process_index, process_count
         self.start = (epoch, index)
@@ -132,7 +150,8 @@ class _PlanSource:
                 if not self.table.text(row).strip():
                     raise DecodeError(f"empty caption for {self.table.path(row)}", "empty_caption")
                 video, fps = load_sample(self.table.path(row), t, h, w, frame_interval=self.frame_interval,
-                                         rng=rng, num_frames_hint=int(self.table.num_frames[row]))
+                                         rng=rng, num_frames_hint=int(self.table.num_frames[row]),
+                                         threads=self.codec_threads)
                 if video.shape != (3, t, h, w) or video.dtype != np.uint8:
                     raise DecodeError(f"{self.table.path(row)} decoded to {video.dtype} {video.shape}, "
                                       f"not uint8 {(3, t, h, w)}", "bad_shape")
@@ -212,6 +231,9 @@ class VideoLoader:
 
     num_workers: grain worker processes decoding batches (0: decode in this process).
     decode_threads: grain read threads per process (batches decoded concurrently in each).
+    codec_threads: FFmpeg decoder (and swscale) threads per sample being decoded; 0 (default):
+    `default_codec_threads` — the host's cores shared among the decoding threads, 1 to 4. The
+    frames do not depend on it.
     prefetch: batches buffered ahead per worker (and in this process).
     index_dir: where the memory-mapped table index goes (default: a temporary folder); an index of
     the same table files found there is reused.
@@ -226,7 +248,8 @@ class VideoLoader:
     def __init__(self, table: str, bucket_config: Mapping, *, seed: int, data_parallel_size: int,
                  process_index: int = 0, process_count: int = 1, num_workers: int = 0, decode_threads: int = 1,
                  frame_interval: int = 1, extra_resolutions: Optional[Mapping] = None, prefetch: int = 2,
-                 index_dir: Optional[str] = None, progress: bool = True, text_inputs: Optional[Callable] = None):
+                 index_dir: Optional[str] = None, progress: bool = True, text_inputs: Optional[Callable] = None,
+                 codec_threads: int = 0):
         if index_dir and int(process_count) > 1:  # one index per host, even on a shared filesystem
             index_dir = f"{index_dir.rstrip('/')}/host{int(process_index)}"
         self.table = TableIndex.build(table, index_dir, progress=progress)
@@ -238,6 +261,8 @@ class VideoLoader:
             raise ValueError(f"data-parallel size {self.dp} is not a multiple of the process count {process_count}")
         self.process_index, self.process_count = int(process_index), int(process_count)
         self.num_workers, self.decode_threads = int(num_workers), max(1, int(decode_threads))
+        self.codec_threads = (int(codec_threads) if int(codec_threads) > 0
+                              else default_codec_threads(self.num_workers, self.decode_threads))
         self.prefetch = max(1, int(prefetch))
         self.fingerprint = plan_lib.make_fingerprint(
             self.table.fingerprint,
@@ -305,7 +330,7 @@ class VideoLoader:
         source = _PlanSource(self.table, self.bucket_config, self.extra_resolutions, seed=self.seed, dp=self.dp,
                              frame_interval=self.frame_interval, process_index=self.process_index,
                              process_count=self.process_count, epoch=self.epoch, index=self.index,
-                             planner=self._planner, text_inputs=self.text_inputs)
+                             planner=self._planner, text_inputs=self.text_inputs, codec_threads=self.codec_threads)
         ds = grain.MapDataset.source(source).to_iter_dataset(
             grain.ReadOptions(num_threads=self.decode_threads, prefetch_buffer_size=self.prefetch))
         if self.num_workers > 0:

@@ -2,6 +2,12 @@
 (spec §4.1). Relative paths resolve against the table's folder. A table may also be a folder or
 a glob of shards (`meta_*.csv`), read in name order; row ids run across shards.
 
+Beyond the local disk: a row's path may be an fsspec URL (``s3://``, ``gs://``, ``memory://``, …; read
+through fsspec by `video.load_sample`), and so may the table, its folder or glob — relative paths
+then resolve against the table's URL folder. ``file://`` URLs are taken as the local paths they
+name (the fast path). A URL table's index is reused while each file's size and fsspec `ukey`
+(modification time or ETag) stay the same.
+
 The loader does not keep the table in Python objects. `TableIndex.build` streams the shards one
 at a time into a small folder of flat files — the size columns as `.npy`, paths and captions as
 one UTF-8 blob each plus offsets — that every process (and every grain worker) memory-maps: the
@@ -26,6 +32,7 @@ import glob
 import hashlib
 import json
 import os
+import posixpath
 import re
 import shutil
 import tempfile
@@ -34,6 +41,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from jaxsora.data.video import is_url, local_path
 from jaxsora.errors import UserError
 
 REQUIRED = ("path", "text", "num_frames", "height", "width")
@@ -49,7 +57,63 @@ class TableError(UserError, ValueError):
     pass
 
 
+def _url_table_files(table: str) -> list[str]:
+    """`table_files` for a URL: the file, or the CSV/parquet files of a folder or glob, as URLs."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, path = url_to_fs(table)
+        if "::" in table:  # a chained URL (simplecache::s3://…) names one file; no listing
+            files, urls = [path], [table]
+        else:
+            if fs.isdir(path):
+                files = sorted(fs.glob(path.rstrip("/") + "/*.csv") + fs.glob(path.rstrip("/") + "/*.parquet"))
+            elif any(c in path for c in "*?["):
+                files = sorted(fs.glob(path))
+            else:
+                files = [path]
+            urls = [table] if files == [path] else [fs.unstrip_protocol(f) for f in files]
+        if not files:
+            raise TableError(f"no table files found at {table}")
+        for f, u in zip(files, urls):
+            if not fs.isfile(f):
+                raise TableError(f"table not found: {u}")
+    except TableError:
+        raise
+    except Exception as e:
+        raise TableError(f"cannot list table {table}: {type(e).__name__}: {e}") from e
+    return urls
+
+
+def _join(base: str, path: str) -> str:
+    """A table row's path resolved against the table's folder `base` (a local folder or a URL one):
+    URLs stay as they are (``file://`` ones become local paths), absolute local paths too."""
+    path = str(path)
+    if is_url(path):
+        return local_path(path) or path
+    if is_url(base) and not path.startswith("/"):
+        head, rest = base.rsplit("://", 1)
+        return f"{head}://{posixpath.normpath(posixpath.join(rest, path))}"
+    return os.path.normpath(os.path.join(base, path))  # absolute ones stay
+
+
+def _source_stamp(f: str) -> list:
+    """[file, size, change stamp] of a table file: the modification time of a local file, fsspec's
+    `ukey` (a hash of its info: mtime, ETag, …) of a URL."""
+    if not is_url(f):
+        return [f, os.path.getsize(f), os.stat(f).st_mtime_ns]
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(f)
+    return [f, int(fs.size(path)), str(fs.ukey(path))]
+
+
 def table_files(table: str) -> list[str]:
+    table = str(table)
+    local = local_path(table)
+    if local is None:
+        return _url_table_files(table)
+    table = local
     if os.path.isdir(table):
         files = sorted(glob.glob(os.path.join(table, "*.csv")) + glob.glob(os.path.join(table, "*.parquet")))
     elif any(c in table for c in "*?["):
@@ -74,8 +138,15 @@ def check_table(table: str) -> int:
             if f.endswith(".parquet"):
                 import pyarrow.parquet as pq
 
-                meta = pq.ParquetFile(f)
-                cols, n = meta.schema_arrow.names, meta.metadata.num_rows
+                if is_url(f):
+                    import fsspec
+
+                    with fsspec.open(f, "rb") as fo:
+                        meta = pq.ParquetFile(fo)
+                        cols, n = meta.schema_arrow.names, meta.metadata.num_rows
+                else:
+                    meta = pq.ParquetFile(f)
+                    cols, n = meta.schema_arrow.names, meta.metadata.num_rows
             else:
                 cols = list(pd.read_csv(f, nrows=0).columns)
                 n = _csv_rows(f)
@@ -108,9 +179,9 @@ def read_table_file(path: str) -> pd.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise TableError(f"table {path} lacks column(s) {missing}; it has {list(df.columns)}")
-    base = os.path.dirname(os.path.abspath(path))
+    base = path.rsplit("/", 1)[0] if is_url(path) else os.path.dirname(os.path.abspath(path))
     df = df.copy()
-    df["path"] = [os.path.normpath(os.path.join(base, str(p))) for p in df["path"]]  # absolute ones stay
+    df["path"] = [_join(base, p) for p in df["path"]]  # absolute ones and URLs stay
     df["text"] = df["text"].fillna("").astype(str)
     for c in SIZE_COLUMNS:
         bad = pd.to_numeric(df[c], errors="coerce").isna()
@@ -136,10 +207,31 @@ def _strings_to_blob(values: Sequence[str]) -> tuple[bytes, np.ndarray]:
     return b"".join(encoded), lengths
 
 
+def _common_prefix(paths: Sequence[str]) -> str:
+    """The longest run of whole '/'-separated parts every path (URL) starts with."""
+    parts = [p.split("/") for p in paths]
+    common = []
+    for column in zip(*parts):
+        if any(c != column[0] for c in column):
+            break
+        common.append(column[0])
+    return "/".join(common)
+
+
 def _common_folder(paths: Sequence[str]) -> str:
-    """The deepest folder holding every path (normalized absolute paths)."""
+    """The deepest folder holding every path (normalized absolute paths or URLs)."""
+    if any(is_url(p) for p in paths):
+        root = _common_prefix(paths)
+        return root.rsplit("/", 1)[0] if all(p == root for p in paths) else root
     root = os.path.commonpath(paths)
     return os.path.dirname(root) if all(p == root for p in paths) else root
+
+
+def _common_root(roots: Sequence[str]) -> str:
+    """The common folder of the shards' folders."""
+    if not roots:
+        return ""
+    return _common_prefix(roots) if any(is_url(r) for r in roots) else os.path.commonpath(roots)
 
 
 def _stale_temp_dir(path: str) -> bool:
@@ -285,8 +377,8 @@ class TableIndex:
         see the module docstring). A directory that already holds the index of the same files
         (names, sizes, modification times) is reused as it is — set `data.index_dir` to skip
         re-reading a large table on restarts."""
-        files = [os.path.abspath(f) for f in table_files(table)]
-        sources = [[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
+        files = [f if is_url(f) else os.path.abspath(f) for f in table_files(table)]
+        sources = [_source_stamp(f) for f in files]
         if directory is None:
             directory = _make_temp_dir()
         elif os.path.isfile(os.path.join(directory, "index.json")):
@@ -333,7 +425,7 @@ class TableIndex:
             arrays[kind + "_offsets"] = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
         for name, a in arrays.items():
             np.save(os.path.join(directory, name + ".npy"), a)
-        root = os.path.commonpath(roots) if roots else ""
+        root = _common_root(roots)
         meta = dict(version=INDEX_VERSION, num_rows=int(sum(rows_per_file)), files=files, sources=sources,
                     rows_per_file=rows_per_file, root=root)
         meta["fingerprint"] = _fingerprint(directory, arrays, root)

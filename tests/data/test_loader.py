@@ -122,6 +122,20 @@ def test_mid_epoch_resume_is_exact(dataset, reference_batches, first_workers, re
     assert ref[-1]["epoch"] == 1  # the comparison crossed into epoch 1
 
 
+def test_codec_threads_share_the_cores_and_leave_the_batches_unchanged(dataset, reference_batches):
+    from jaxsora.data.loader import default_codec_threads
+
+    assert default_codec_threads(8, 1, cores=16) == 2  # 8 workers on 16 cores
+    assert default_codec_threads(8, 1, cores=2) == 1
+    assert default_codec_threads(0, 1, cores=64) == 4  # in-process decoding: capped
+    assert default_codec_threads(2, 2, cores=12) == 3  # workers × read threads share the cores
+    assert _loader(dataset / "meta.csv", num_workers=8).codec_threads == default_codec_threads(8)
+    threaded = _loader(dataset / "meta.csv", codec_threads=3)
+    assert threaded.codec_threads == 3
+    for a, b in zip(_take(threaded, 3), reference_batches):
+        np.testing.assert_array_equal(a["video"], b["video"])
+
+
 def test_changed_table_refused_unless_reset(dataset, tmp_path):
     state = _loader(dataset / "meta.csv").state()
     df = pd.read_csv(dataset / "meta.csv")
