@@ -63,7 +63,9 @@ The newest `keep` checkpoints are kept (`keep=0`: all). Restoring uses an abstra
 carries the *current* mesh's shardings, so a checkpoint saved on one mesh/device count restores on
 another. `python -m jaxsora.ckpt list|verify DIR` checks checkpoints without a model config;
 `python -m jaxsora.convert to-torch <step dir or checkpoints/>` reads the same folders
-(`read_weights` / `weight_fields` / `verify_arrays` are the weights-only readers' pieces).
+(`read_weights` / `weight_fields` / `verify_arrays` / `read_json_item` are the weights-only readers'
+pieces; `write_integrity_record` writes the record of a step assembled without a Checkpointer, as
+`python -m jaxsora.tools.average` does).
 """
 from __future__ import annotations
 
@@ -316,12 +318,8 @@ class Checkpointer:
         if rec is None or jax.process_index() != 0:
             return
         fps = fetch_fingerprints(rec.fingerprints)
-        from jaxsora import __version__
-
-        doc = dict(complete=True, format=INTEGRITY_FORMAT, step=rec.step, jaxsora=__version__,
-                   fingerprint=FINGERPRINT_METHOD, state_bytes=rec.nbytes, json_sha256=rec.json_digests,
-                   items=rec.items,
-                   arrays={n: dict(i, item=_array_item(n), fingerprint=f) for n, i, f in zip(rec.names, rec.info, fps)})
+        doc = _integrity_doc(rec.step, rec.json_digests, rec.items,
+                             {n: dict(i, item=_array_item(n), fingerprint=f) for n, i, f in zip(rec.names, rec.info, fps)})
         tmp = sorted(glob.glob(os.path.join(self.directory, f"{rec.step}{TMP_SUFFIX}*")))
         folder = tmp[-1] if tmp else os.path.join(self.directory, str(rec.step))
         write_json_atomic(os.path.join(folder, INTEGRITY_FILE), doc)
@@ -624,10 +622,14 @@ def _read_legacy(state_dir: str, target, tfields, items: set) -> dict:
 
 def _item_metadata(item_dir: str):
     """(flat [(key path, orbax ArrayMetadata)], treedef) of a stored item, read from its metadata."""
-    with ocp.PyTreeCheckpointer() as ckptr:
-        meta = ckptr.metadata(item_dir)
-    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
-    return jax.tree_util.tree_flatten_with_path(tree if tree is not None else dict(meta))
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            meta = ckptr.metadata(item_dir)
+        tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+        return jax.tree_util.tree_flatten_with_path(tree if tree is not None else dict(meta))
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged _METADATA file reads as no tree
+        raise CheckpointError(f"checkpoint item {item_dir}: its metadata is unreadable "
+                              f"({one_line_error(e)}); `python -m jaxsora.ckpt verify` checks the run") from None
 
 
 def item_metadata_tree(item_dir: str) -> dict:
@@ -817,6 +819,52 @@ def verify_arrays(step_dir: str, tree) -> Optional[bool]:
         raise CheckpointError(f"checkpoint {step_dir} is not usable: {e} (python -m jaxsora.ckpt verify "
                               f"{step_dir} checks it all)") from None
     return True
+
+
+def read_json_item(step_dir: str, name: str, *, verify: bool = True):
+    """A JSON item (config, data, meta) of a step folder, checked against the step's integrity
+    record when it has one (verify=True). Raises CheckpointError (one line) when it is missing,
+    unreadable or does not match."""
+    try:
+        value = _read_json_item(step_dir, name)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {step_dir}: its {name} item is unreadable ({one_line_error(e)})") from None
+    if verify:
+        try:
+            want = ((_read_record(step_dir) or {}).get("json_sha256") or {}).get(name)
+        except _Unusable as e:
+            raise CheckpointError(f"checkpoint {step_dir} is not usable: {e}") from None
+        if want is not None and _json_digest(value) != want:
+            raise CheckpointError(f"checkpoint {step_dir} is not usable: checksum mismatch in the {name} item")
+    return value
+
+
+def write_integrity_record(step_dir: str, step: int, arrays: dict, jsons: dict) -> dict:
+    """Write the integrity record (integrity.json, format 2) of a step folder assembled without a
+    `Checkpointer` (e.g. by `python -m jaxsora.tools.average`): write it last, before the folder gets
+    its final name. arrays: {array name: {"item", "shape", "dtype", "fingerprint"}} of every array
+    written (fingerprints: `fingerprint.format_fingerprint(fingerprint.host_fingerprint(a))`);
+    jsons: {JSON item: the value written}. Returns the record."""
+    items: dict = {}
+    for e in arrays.values():
+        it = items.setdefault(e["item"], dict(arrays=0, bytes=0))
+        it["arrays"] += 1
+        it["bytes"] += int(np.prod(e["shape"], dtype=np.int64)) * jax.numpy.dtype(e["dtype"]).itemsize
+    doc = _integrity_doc(step, {k: _json_digest(v) for k, v in jsons.items()}, items,
+                         {n: dict(shape=[int(d) for d in e["shape"]], dtype=str(e["dtype"]), item=e["item"],
+                                  fingerprint=e["fingerprint"]) for n, e in arrays.items()})
+    write_json_atomic(os.path.join(step_dir, INTEGRITY_FILE), doc)
+    return doc
+
+
+def _integrity_doc(step: int, json_digests: dict, items: dict, arrays: dict) -> dict:
+    """The integrity record (format 2) of a step: {item: {arrays, bytes}}, per-array shape, dtype,
+    item and fingerprint, and the sha256 of each JSON item. The one place its layout is written."""
+    from jaxsora import __version__
+
+    return dict(complete=True, format=INTEGRITY_FORMAT, step=int(step), jaxsora=__version__,
+                fingerprint=FINGERPRINT_METHOD, state_bytes=sum(int(it["bytes"]) for it in items.values()),
+                json_sha256=json_digests, items=items, arrays=arrays)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -453,3 +453,24 @@ def test_load_of_the_old_layout_continues_like_the_new(real):
         assert results[name].keys() == results["run"].keys()
         for k, v in results["run"].items():
             np.testing.assert_array_equal(results[name][k], v, err_msg=f"{name} {k}")
+
+
+def test_damaged_item_metadata_is_one_line(real, tmp_path):
+    """An item whose orbax metadata file is damaged (reads as no tree) stops conversion and sampling
+    with one line naming the item, not a TypeError from inside orbax's metadata object."""
+    from jaxsora.convert import native
+    from jaxsora.convert.__main__ import main as convert
+    from jaxsora.errors import UserError, run_cli
+
+    bad = tmp_path / "bad"
+    shutil.copytree(real["copy"], bad)
+    meta = bad / "checkpoints" / "2" / "ema" / "_METADATA"
+    assert meta.is_file()
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])  # truncated
+    with pytest.raises(UserError) as ei:
+        native.load_weights(str(bad / "checkpoints"), ema=True)
+    assert "\n" not in str(ei.value) and "ema" in str(ei.value) and "metadata is unreadable" in str(ei.value)
+    argv = ["to-torch", str(bad / "checkpoints"), str(tmp_path / "x.safetensors"), "--ema"]
+    with pytest.raises(SystemExit) as ex:  # as `python -m jaxsora.convert` runs it
+        run_cli("jaxsora.convert", lambda: convert(argv), argv)
+    assert ex.value.code == 2
