@@ -20,9 +20,9 @@ from jaxsora.cluster.hosts import address_of, log_name
 from jaxsora.cluster.table import format_table
 from jaxsora.errors import BadInput, UserError
 
-# The names jaxsora.parallel.distributed.resolve() reads (after its flags and SLURM's variables).
+# The names jaxsora.parallel.distributed.resolve() reads (after its flags, before any detected cluster).
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
-DEFAULT_PORT = 12355  # the port distributed.py uses under SLURM (JAXSORA_PORT)
+DEFAULT_PORT = 12355  # launch/slurm.sbatch's JAX_COORDINATOR_PORT default too
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
