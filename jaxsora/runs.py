@@ -6,6 +6,14 @@ experiment name, whether it is running (its `run.lock` names a live process on t
 process on another host), the newest logged step and loss, the newest validation loss, the newest
 complete checkpoint and the wandb run id. Reads only small files (no arrays), so it is instant on
 a shared filesystem. `--json` prints the same as JSON lines.
+
+Experiment numbers (the helpers train, serve and this listing share): a new training run gets the
+folder `<outputs>/<NNN>-<experiment>/`, NNN one more than the largest number of the outputs
+folder's `NNN-*` entries (zero-padded to 3 digits, more when needed), and a number names a run on
+the command line (`--load 656`, `serve --runs 656`: the one `<outputs>/656-*` folder). A number is
+claimed before its folder is made, with an atomic `mkdir <outputs>/.run_numbers/<NNN>` — so that two
+runs starting together get two numbers even with different experiment names, also on a shared
+filesystem — and is never handed out again, even when its run folder is deleted.
 """
 from __future__ import annotations
 
@@ -17,10 +25,102 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from jaxsora.errors import MissingFile, run_cli
+from jaxsora.errors import BadInput, MissingFile, run_cli
 
 PROG = "jaxsora.runs"
 INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
+CLAIMS_DIR = ".run_numbers"  # <outputs>/.run_numbers/<NNN>: the numbers handed out
+_NUMBERED = re.compile(r"^(\d+)-")
+
+
+# --------------------------------------------------------------------------------------------
+# experiment numbers
+# --------------------------------------------------------------------------------------------
+def run_number(name: str) -> Optional[int]:
+    """The experiment number of a run folder's name (`656-stdit3-xl2` → 656), or None."""
+    m = _NUMBERED.match(os.path.basename(os.path.normpath(str(name))))
+    return int(m.group(1)) if m else None
+
+
+def run_folder_name(number: int, experiment: str) -> str:
+    """`656`, `stdit3-xl2` → `656-stdit3-xl2` (3 digits at least)."""
+    return f"{int(number):03d}-{experiment}"
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def numbered_runs(outputs: str) -> list[tuple[int, str]]:
+    """(number, folder name) of the outputs folder's `NNN-*` folders, by number then name."""
+    found = [(run_number(d), d) for d in _listdir(outputs)]
+    return sorted((n, d) for n, d in found if n is not None and os.path.isdir(os.path.join(outputs, d)))
+
+
+def next_run_number(outputs: str) -> int:
+    """1 + the largest number among the outputs folder's `NNN-*` entries and the claimed numbers."""
+    used = [run_number(d) for d in _listdir(outputs)]
+    used += [int(d) for d in _listdir(os.path.join(outputs, CLAIMS_DIR)) if d.isdigit()]
+    return max([n for n in used if n is not None], default=0) + 1
+
+
+def new_run_dir(outputs: str, experiment: str) -> str:
+    """Create and return `<outputs>/<NNN>-<experiment>` with the next free number; safe against
+    other processes doing the same at the same time (the number is claimed with an atomic mkdir)."""
+    experiment = str(experiment)
+    if not experiment or os.sep in experiment or (os.altsep and os.altsep in experiment) or experiment in (".", ".."):
+        raise BadInput(f"train.experiment {experiment!r} cannot name a run folder (no '/', not empty); "
+                       "set another, or give the folder with --run-dir")
+    claims = os.path.join(outputs, CLAIMS_DIR)
+    os.makedirs(claims, exist_ok=True)
+    for _ in range(10000):
+        number = next_run_number(outputs)
+        try:
+            os.mkdir(os.path.join(claims, f"{number:03d}"))
+        except FileExistsError:  # another run claimed it since we looked
+            continue
+        path = os.path.join(outputs, run_folder_name(number, experiment))
+        try:
+            os.mkdir(path)
+        except FileExistsError:  # a folder of that name made by other means: its number is taken now
+            continue
+        return os.path.abspath(path)
+    raise RuntimeError(f"could not claim a run number in {outputs}")
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    names = list(names)
+    if len(names) > limit:
+        names = names[:2] + [f"… ({len(names) - limit + 1} more)"] + names[-(limit - 3):]
+    return ", ".join(names)
+
+
+def find_run(spec, outputs: str, what: str = "run") -> str:
+    """A run folder from a path or an experiment number: `656` → the one `<outputs>/656-*` folder
+    (any zero-padding: `1` finds `001-x`), or the folder `<outputs>/656`. A number that matches no
+    folder, or several, is a user error listing the candidates."""
+    spec = str(spec)
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    if not spec.isdigit():
+        raise MissingFile(f"{what} {spec}: no such folder (and not an experiment number)")
+    number = int(spec)
+    runs = numbered_runs(outputs)
+    found = [os.path.join(outputs, d) for n, d in runs if n == number]
+    if os.path.isdir(os.path.join(outputs, spec)):
+        found.append(os.path.join(outputs, spec))
+    if len(found) == 1:
+        return os.path.abspath(found[0])
+    if found:
+        raise BadInput(f"{what} {spec}: {len(found)} folders in {outputs} have that number: "
+                       f"{_names(os.path.basename(f) for f in found)}; give the folder instead")
+    if not os.path.isdir(outputs):
+        raise MissingFile(f"{what} {spec}: no such folder, and no outputs folder {outputs} to find run {spec} in")
+    there = f"its numbered runs: {_names(d for _, d in runs)}" if runs else "it holds no numbered run"
+    raise MissingFile(f"{what} {spec}: no run numbered {spec} in {outputs} ({there})")
 
 
 def _last_json_line(path: str) -> Optional[dict]:
@@ -67,7 +167,6 @@ def _status(run: str) -> str:
 def describe(run: str) -> dict:
     """What is known of one run folder, from its small files."""
     name = os.path.basename(os.path.normpath(run))
-    m = re.match(r"^(\d+)-", name)
     ckpts = os.path.join(run, "checkpoints")
     steps = []
     if os.path.isdir(ckpts):
@@ -79,7 +178,7 @@ def describe(run: str) -> dict:
     last = _last_json_line(os.path.join(run, "metrics.jsonl")) or {}
     ev = _last_json_line(os.path.join(run, "eval.jsonl")) or {}
     return dict(
-        number=int(m.group(1)) if m else None, folder=name, path=os.path.abspath(run),
+        number=run_number(name), folder=name, path=os.path.abspath(run),
         experiment=(config.get("train") or {}).get("experiment", name),
         model=(config.get("model") or {}).get("name") if isinstance(config.get("model"), dict) else None,
         status=_status(run), step=last.get("step"), loss=last.get("loss"), epoch=last.get("epoch"),

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from jaxsora.errors import BadInput, MissingFile, run_cli
+from jaxsora.runs import find_run
 
 PROG = "jaxsora.serve"
 # Lambda speed run scripts/inference-server.py (spec §8.4): resolution × duration × batch size.
@@ -56,20 +56,7 @@ INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
 # --------------------------------------------------------------------------------------------
 def resolve_run(spec: str, outputs: str) -> str:
     """A run folder from a path or an experiment number (`656` → `<outputs>/656-*` or `<outputs>/656`)."""
-    if os.path.isdir(spec):
-        return os.path.abspath(spec)
-    if spec.isdigit():
-        width = len(spec)
-        found = sorted(glob.glob(os.path.join(outputs, f"{int(spec):0{width}d}-*")) +
-                       glob.glob(os.path.join(outputs, f"{int(spec):03d}-*")))
-        found = sorted(set(f for f in found if os.path.isdir(f)))
-        if os.path.isdir(os.path.join(outputs, spec)):
-            found.append(os.path.join(outputs, spec))
-        if len(found) == 1:
-            return os.path.abspath(found[0])
-        if len(found) > 1:
-            raise BadInput(f"run {spec}: several folders match in {outputs}: {[os.path.basename(f) for f in found]}")
-    raise MissingFile(f"run {spec}: no such folder, and no {outputs}/{spec}-* folder")
+    return find_run(spec, outputs, what="run")
 
 
 def _checkpoints_root(run: str) -> str:

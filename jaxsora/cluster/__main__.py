@@ -27,7 +27,7 @@ def _common(parser: argparse.ArgumentParser, default) -> None:
     parser.add_argument("--workdir", default=d(None), help="folder to cd to on every host (default: this one)")
     parser.add_argument("--logdir", default=d(None), help=f"per-host logs and pids.json (default: "
                         f"<workdir>/{DEFAULT_LOGDIR})")
-    parser.add_argument("--run", default=d(None), help="the run folder <outputs>/<experiment>: heartbeats, stacks "
+    parser.add_argument("--run", default=d(None), help="the run folder (<outputs>/<NNN>-<experiment> or the trainer's --run-dir): heartbeats, stacks "
                         "(default: the one given to launch)")
     parser.add_argument("--timeout", type=float, default=d(30.0), help="seconds to wait for a host (default 30)")
     parser.add_argument("--debug", action="store_true", default=d(False), help="tracebacks for user errors too")

@@ -85,7 +85,7 @@ MESSAGES = {
 
 def dump(ctx, *, wait: float = 5.0, lines: int = 40) -> int:
     if not ctx.run:
-        raise UserError("dump needs the run folder: --run <outputs>/<experiment> (or `launch --run`), where the "
+        raise UserError("dump needs the run folder: --run <run folder> (or `launch --run`), where the "
                         "trainer writes stacks/<process>.txt")
     targets = records.targets(ctx, ctx.hosts)
     known = {h: t for h, t in targets.items() if t.pid and t.process is not None}

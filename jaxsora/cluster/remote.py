@@ -146,7 +146,7 @@ class Context:
     runner: object
     logdir: str
     workdir: str
-    run: Optional[str] = None  # the run folder (<outputs>/<experiment>): heartbeats and stacks
+    run: Optional[str] = None  # the run folder (<outputs>/<NNN>-<experiment>, or --run-dir): heartbeats and stacks
     slurm: Optional[str] = None  # the SLURM job id, when the hosts are its nodes
     timeout: float = 30.0
 

@@ -165,7 +165,7 @@ def status(ctx, *, as_json: bool = False, stale: float = 900.0) -> int:
     else:
         print(format_table(HEADER, [_cells(r) for r in rows]))
         if not ctx.run:
-            print("(no run folder: give --run <outputs>/<experiment> for step and heartbeat)")
+            print("(no run folder: give --run <run folder> for step and heartbeat)")
         for w in warnings(rows, stale):
             print("warning: " + w)
     return 1 if any(r.get("error") for r in rows) else 0

@@ -53,7 +53,7 @@ def stop(ctx, *, grace: float = 180.0) -> int:
     known = {h: t for h, t in targets.items() if t.pid}
     if not known:
         where = f"no heartbeat under {ctx.run}" if (ctx.slurm and ctx.run) else (
-            "give --run <outputs>/<experiment> (pids from its heartbeats)" if ctx.slurm else
+            "give --run <run folder> (pids from its heartbeats)" if ctx.slurm else
             f"no {records.PIDS} in {ctx.logdir} (give the --logdir of the launch)")
         raise UserError(f"nothing to stop: no recorded trainer pid ({where})")
     results = remote.run_all(ctx.runner, ctx.hosts, lambda i, h: script(known[h], grace) if h in known else None,

@@ -1,12 +1,16 @@
 """`python -m jaxsora.train --config configs/stage1.py [--config.key=value ...] [flags]`
 
 Flags (the reference's names): --data-path X.csv, --load DIR (resume everything; DIR is a run
-folder, its checkpoints/ folder or one step folder), --step N (with --load: that step instead of
-the newest intact one), --ckpt-path PATH (weights only: a jaxsora checkpoint or an
-Open-Sora/PixArt-Σ .pth/.safetensors), --start-from-scratch (with --load: keep optimizer and
-schedule, restart the data order), --outputs DIR, --dry-run (validate config, table and bucket
-plan; compile the step per bucket and print the plan and per-device memory; train nothing),
---profile START:STOP (a jax.profiler trace), --debug (tracebacks for user errors too).
+folder, its checkpoints/ folder, one step folder or an experiment number — `--load 656` is the
+folder `<outputs>/656-*`; the run goes on writing into the loaded run's folder), --step N (with
+--load: that step instead of the newest intact one), --ckpt-path PATH (weights only: a jaxsora
+checkpoint or an Open-Sora/PixArt-Σ .pth/.safetensors), --start-from-scratch (with --load: keep
+optimizer and schedule, restart the data order), --outputs DIR (a new run gets the folder
+`<outputs>/<NNN>-<experiment>`, NNN the next free experiment number), --run-dir DIR (exactly this
+run folder, unnumbered; refused if it holds a run already, unless --load resumes that run),
+--dry-run (validate config, table and bucket plan; compile the step per bucket and print the plan
+and per-device memory; train nothing), --profile START:STOP (a jax.profiler trace), --debug
+(tracebacks for user errors too).
 Multi-host: see BUILD.md (jax.distributed from SLURM / JAX_* variables / --coordinator flags).
 
 A mistake in what was given (flag, config key or value, path, table, checkpoint, mesh, missing
@@ -17,20 +21,25 @@ import sys
 from jaxsora.cli import config_app
 
 PROG = "jaxsora.train"
-# Exit codes: 0 done (or stopped by a signal, with a checkpoint), 1 an internal error (traceback),
-# 2 a user error (one line), 3 stopped after train.max_nonfinite_steps rejected steps in a row.
+# Exit codes: 0 done, 1 an internal error (traceback), 2 a user error (one line), 3 stopped after
+# train.max_nonfinite_steps rejected steps in a row, 75 (EX_TEMPFAIL, sysexits.h) stopped by a signal
+# (SIGTERM, preemption) after saving a checkpoint: run again with --load to go on
+# (launch/slurm.sbatch requeues the job on it).
 EXIT_NONFINITE = 3
+EXIT_STOPPED = 75
 
 
 def _define_flags():
     from absl import flags
 
     flags.DEFINE_string("data_path", None, "dataset table (CSV/parquet); overrides data.table")
-    flags.DEFINE_string("load", None, "resume everything from this run / checkpoints / step folder")
+    flags.DEFINE_string("load", None, "resume everything from this run / checkpoints / step folder, or an "
+                        "experiment number (656: <outputs>/656-*)")
     flags.DEFINE_integer("step", None, "with --load: resume from this step (default: the newest intact one)")
     flags.DEFINE_string("ckpt_path", None, "initial weights only (jaxsora checkpoint or PyTorch file)")
     flags.DEFINE_bool("start_from_scratch", False, "with --load: restart the data order, keep the optimizer")
     flags.DEFINE_string("outputs", None, "outputs folder; overrides train.outputs")
+    flags.DEFINE_string("run_dir", None, "exactly this run folder instead of a new <outputs>/<NNN>-<experiment>")
     flags.DEFINE_bool("dry_run", False, "validate, compile every bucket and print the plan and memory; no training")
     flags.DEFINE_string("profile", None, "START:STOP — write a jax.profiler trace of those steps to <run>/profile")
     flags.DEFINE_string("coordinator", None, "multi-host: coordinator address host:port")
@@ -48,21 +57,26 @@ def _body() -> int:
     from jaxsora.train.loop import NonFiniteError, RunOptions, train
 
     opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, step=FLAGS.step, ckpt_path=FLAGS.ckpt_path,
-                      start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, dry_run=FLAGS.dry_run,
-                      profile=FLAGS.profile)
+                      start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, run_dir=FLAGS.run_dir,
+                      dry_run=FLAGS.dry_run, profile=FLAGS.profile)
     try:
         summary = train(FLAGS.config, opts)
     except NonFiniteError as e:  # the run's own verdict, not a bug: one line
         print(f"[jaxsora] stopped: {e}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
-    if not opts.dry_run:
-        print(f"[jaxsora] done: {summary['steps']} steps, checkpoints in {summary['checkpoints']}")
+    if opts.dry_run:
+        return 0
+    if summary.get("stopped_by_signal"):
+        print(f"[jaxsora] stopped by a signal at step {summary['steps']}; checkpoint in {summary['checkpoints']} "
+              f"(continue with --load {summary['outputs']})", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    print(f"[jaxsora] done: {summary['steps']} steps, checkpoints in {summary['checkpoints']}")
     return 0
 
 
 def main():
     config_app(PROG, _define_flags, _body, dashed=("--data-path", "--ckpt-path", "--start-from-scratch", "--dry-run",
-                                                   "--num-processes", "--process-id"))
+                                                   "--run-dir", "--num-processes", "--process-id"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ Each evaluation (`train.eval`) writes one line to the console, one to `<run>/eva
 and logs its numbers to wandb at that step.
 
 wandb is an optional extra (`pip install 'jaxsora[wandb]'`); `wandb.mode = "offline"` works without a
-network, and the run id is stored in each checkpoint so that `--load` logs into the same run.
+network, and the run id is stored in each checkpoint so that `--load` logs into the same run. The
+wandb run is named after the run folder (`656-stdit3-xl2`); a `wandb.name` of your own gets the
+folder's experiment number in front (`656-<name>`).
 """
 from __future__ import annotations
 
@@ -52,6 +54,20 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+def run_name(outdir: str, name: Optional[str] = None) -> str:
+    """The wandb run name: the run folder's name (`656-stdit3-xl2`), or `name` with the folder's
+    experiment number in front (`656-<name>`, unless it starts with it already)."""
+    from jaxsora.runs import run_number
+
+    folder = os.path.basename(os.path.normpath(outdir))
+    if not name:
+        return folder
+    number = run_number(folder)
+    if number is None or run_number(name) == number:
+        return name
+    return f"{folder.split('-', 1)[0]}-{name}"
+
+
 class MetricLogger:
     def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True,
                  peak_flops: Optional[float] = None, num_devices: int = 1, total_steps: Optional[int] = None,
@@ -73,7 +89,7 @@ class MetricLogger:
                 raise ImportError("wandb.enabled is set but wandb is not installed: "
                                   "pip install 'jaxsora[wandb]'") from e
             self.run = wandb.init(
-                project=wcfg.get("project", "jaxsora"), name=wcfg.get("name") or config.train.get("experiment"),
+                project=wcfg.get("project", "jaxsora"), name=run_name(outdir, wcfg.get("name")),
                 mode=wcfg.get("mode", "online"), dir=outdir, id=resume_id, resume="allow" if resume_id else None,
                 config=json.loads(config.to_json_best_effort()),
             )

@@ -16,6 +16,12 @@ With `eval.table` set, the validation loss (`train.eval`) runs every `eval.every
 step's log line, before its checkpoint), optionally before the first step (`eval.at_start`, a run
 starting at step 0) and after the last one (`eval.at_end`); its time is left out of the train
 throughput figures.
+
+The run folder (`_given_run_folder`, `_new_run_folder`): `--run-dir DIR` exactly (refused when DIR
+already holds another run's checkpoints or log, unless `--load` continues that run); with `--load`
+(a folder or an experiment number, `jaxsora.runs.find_run`), the loaded run's own folder; otherwise
+a new numbered folder `<outputs>/<NNN>-<experiment>` (`jaxsora.runs.new_run_dir`), claimed by
+process 0 and broadcast to the other processes.
 """
 from __future__ import annotations
 
@@ -27,13 +33,13 @@ from typing import Optional
 
 import jax
 
-from jaxsora.errors import UserError
+from jaxsora.errors import OutputExists, UserError
 from jaxsora.parallel.sharding import abstract_of
 from jaxsora.train import memory
 from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
 from jaxsora.train.step import batch_key, global_batch
-from jaxsora.train.supervise import RunLock, StopRequested, Watchdog
+from jaxsora.train.supervise import RunLock, StopRequested, Watchdog, register_stack_dump, write_heartbeat
 
 # Steps dispatched ahead of the device. Waiting for step k-2 before dispatching step k never
 # idles the device (k-1 is queued) and bounds the batches held on it.
@@ -51,11 +57,12 @@ class EmptyPlanError(UserError):
 @dataclasses.dataclass
 class RunOptions:
     data_path: Optional[str] = None
-    load: Optional[str] = None
+    load: Optional[str] = None  # a run / checkpoints / step folder, or an experiment number (656)
     step: Optional[int] = None  # with load: that checkpoint step (default: the newest intact one)
     ckpt_path: Optional[str] = None
     start_from_scratch: bool = False
     outputs: Optional[str] = None
+    run_dir: Optional[str] = None  # exactly this run folder (default: the loaded run's, or a new numbered one)
     dry_run: bool = False
     profile: Optional[str] = None  # "START:STOP": a jax.profiler trace of those steps
 
@@ -93,6 +100,7 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         config.data.table = opts.data_path
     if opts.outputs:
         config.train.outputs = opts.outputs
+    opts = _resolve_load_number(config, opts)
     validate_config(config, opts)
     if eval_data_factory is None:
         from jaxsora.train import eval as eval_lib
@@ -100,9 +108,7 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         eval_lib.check_config(config)  # the eval table, buckets and text states, before any work
     profile = _profile_range(opts.profile)
     tcfg = config.train
-    outdir = os.path.abspath(os.path.join(tcfg.outputs, tcfg.get("experiment", "run")))
-    if not config.data.get("index_dir"):  # the table index lives with the run and is reused on resume
-        config.data.index_dir = os.path.join(outdir, "table_index")
+    outdir = _given_run_folder(opts)  # None: a new numbered folder, made once the table checked out
     # The persistent compilation cache: shared by every experiment under the outputs folder, unless
     # one is already set (JAX_COMPILATION_CACHE_DIR).
     if tcfg.get("compilation_cache", True) and not jax.config.jax_compilation_cache_dir:
@@ -110,19 +116,44 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
     if opts.dry_run:
+        import tempfile
+
         from jaxsora.train.dry_run import dry_run
 
-        setup = setup_run(config, abstract_encoders=True)
-        loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
-        return dry_run(setup, loader, outdir, evaluator=_evaluator(setup, outdir, eval_data_factory))
+        with tempfile.TemporaryDirectory(prefix="jaxsora-dry-run-") as scratch:
+            indexes = outdir
+            if outdir is None:  # a dry run claims no number: its table indexes go to temporary folders
+                outdir, indexes = _next_run_folder(config), scratch
+                if _is_main():
+                    print(f"[jaxsora] dry run: a new run would be written to {outdir}")
+            elif not config.data.get("index_dir"):
+                config.data.index_dir = os.path.join(outdir, "table_index")
+            setup = setup_run(config, abstract_encoders=True)
+            loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
+            return dry_run(setup, loader, outdir, evaluator=_evaluator(setup, indexes, eval_data_factory))
 
     if loader_factory is None:  # the table's columns and rows, before the run takes its folder
         from jaxsora.data.tables import check_table
 
         check_table(config.data.table)
+    new = outdir is None
+    if new:
+        outdir = _new_run_folder(config)
+    if not config.data.get("index_dir"):  # the table index lives with the run and is reused on resume
+        config.data.index_dir = os.path.join(outdir, "table_index")
+    if _is_main():
+        how = ["new"] if new else ["--run-dir"] if opts.run_dir else []
+        how += [f"resuming {opts.load}"] if opts.load else []
+        print(f"[jaxsora] run folder: {outdir} ({', '.join(how)})", flush=True)
     # One owner per run folder (process 0 holds the lock for all processes of the run).
     lock = RunLock(outdir).acquire() if _is_main() else None
     try:
+        # `python -m jaxsora.cluster dump` (or kill -USR2) → every thread's stack in <run>/stacks/;
+        # the heartbeat gives `cluster status` this process's pid while it compiles.
+        register_stack_dump(outdir, jax.process_index())
+        write_heartbeat(outdir, jax.process_index(), None, phase="starting")
+        if not new:  # after the lock: a folder that a live run owns is refused naming that run
+            _refuse_another_run(outdir, opts)
         setup = setup_run(config)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
         evaluator = _evaluator(setup, outdir, eval_data_factory)
@@ -136,6 +167,105 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
     finally:
         if lock is not None:
             lock.release()
+
+
+# --------------------------------------------------------------------------------------------
+# the run folder
+# --------------------------------------------------------------------------------------------
+def _resolve_load_number(config, opts: RunOptions) -> RunOptions:
+    """`--load 656` (no such path) → the run folder `<outputs>/656-*`; a copy of opts."""
+    if opts.load is None or os.path.exists(opts.load) or not str(opts.load).isdigit():
+        return opts
+    from jaxsora.runs import find_run
+
+    return dataclasses.replace(opts, load=find_run(opts.load, config.train.outputs, what="--load"))
+
+
+def _loaded_run_folder(load: str, step) -> Optional[str]:
+    """The run folder a `--load` path belongs to (the parent of its `checkpoints/` folder), or None
+    for a folder of step folders that is not a run's `checkpoints/`."""
+    from jaxsora.train.checkpoint import resolve_checkpoint
+
+    root, _ = resolve_checkpoint(load, step)
+    return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else None
+
+
+def _given_run_folder(opts: RunOptions) -> Optional[str]:
+    """--run-dir, else the loaded run's folder; None: a new numbered folder."""
+    if opts.run_dir:
+        if os.path.exists(opts.run_dir) and not os.path.isdir(opts.run_dir):
+            raise OutputExists(f"--run-dir {opts.run_dir} is a file, not a folder")
+        return os.path.abspath(os.path.expanduser(opts.run_dir))
+    if opts.load:
+        return _loaded_run_folder(opts.load, opts.step)
+    return None
+
+
+def _existing_run(path: str) -> Optional[str]:
+    """What in a folder shows that a run already wrote there (checkpoints, a metrics log), or None."""
+    from jaxsora.train.checkpoint import checkpoint_steps
+
+    ckpts = os.path.join(path, "checkpoints")
+    steps = checkpoint_steps(ckpts)
+    if steps:
+        return f"checkpoints of steps {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"a checkpoint of step {steps[0]}"
+    if os.path.isdir(ckpts) and os.listdir(ckpts):
+        return "a checkpoints/ folder with unfinished saves"
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        return "a metrics.jsonl log"
+    return None
+
+
+def _refuse_another_run(outdir: str, opts: RunOptions) -> None:
+    """A given folder that holds a run is written to only by a --load of that very run: never append
+    to another run's metrics.jsonl or step over its checkpoints."""
+    if opts.load:
+        loaded = _loaded_run_folder(opts.load, opts.step)
+        if loaded is not None and os.path.realpath(loaded) == os.path.realpath(outdir):
+            return
+    found = _existing_run(outdir)
+    if found is None:
+        return
+    if opts.load:
+        raise OutputExists(f"--run-dir {outdir} already holds another run ({found}); give a new folder to continue "
+                           f"--load {opts.load} into, or leave --run-dir out to continue in the loaded run's folder")
+    raise OutputExists(f"--run-dir {outdir} already holds a run ({found}); resume it with --load {outdir}, "
+                       f"or give a new folder (without --run-dir a new run gets a new numbered folder)")
+
+
+def _next_run_folder(config) -> str:
+    """The folder a new run would get now (claims nothing: the dry run)."""
+    from jaxsora.runs import next_run_number, run_folder_name
+
+    outputs = os.path.abspath(config.train.outputs)
+    return os.path.join(outputs, run_folder_name(next_run_number(outputs), config.train.get("experiment", "run")))
+
+
+def _new_run_folder(config) -> str:
+    """A new numbered run folder `<outputs>/<NNN>-<experiment>`: process 0 claims the number and
+    makes the folder, the other processes (same config, same filesystem) get the number from it."""
+    from jaxsora.runs import new_run_dir, run_folder_name, run_number
+
+    outputs = os.path.abspath(config.train.outputs)
+    experiment = config.train.get("experiment", "run")
+    if jax.process_count() == 1:
+        return new_run_dir(outputs, experiment)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    number, error = -1, None
+    if _is_main():
+        try:
+            number = run_number(new_run_dir(outputs, experiment))
+        except Exception as e:  # noqa: BLE001 — raised below, after the others heard of it
+            error = e
+    number = int(multihost_utils.broadcast_one_to_all(np.asarray(number, np.int32)))
+    if error is not None:
+        raise error
+    if number < 0:
+        raise UserError(f"process 0 could not create a new run folder in {outputs} (see its log)")
+    return os.path.join(outputs, run_folder_name(number, experiment))
 
 
 def _compile_plan(setup, loader) -> list:
@@ -381,6 +511,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
                         print(f"[jaxsora] profile of steps {profile[0]}..{profile[1]} → {outdir}/profile")
                 if step % log_every == 0:
                     step = fetch_and_log()
+                    write_heartbeat(outdir, jax.process_index(), step)
                 if eval_every and step % eval_every == 0 and step != last["eval_step"]:
                     run_eval()
                 if step % ckpt_every == 0:
@@ -400,7 +531,9 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
         ckpt.close()
         logger.close()
     return dict(steps=step, last_loss=last["loss"], checkpoints=ckpt.directory, outputs=outdir,
-                stopped_by_signal=stop.flag, nonfinite=counts["nonfinite"], buckets=buckets,
+                # a signal that came when the run was already done does not ask for a requeue
+                stopped_by_signal=bool(stop.flag) and step < max_steps and not data_done,
+                nonfinite=counts["nonfinite"], buckets=buckets,
                 eval=last["eval"])
 
 

@@ -231,7 +231,7 @@ class RunLock:
                 if info and (info.get("host") != me["host"] or _pid_alive(int(info.get("pid", -1)))):
                     raise RunLockedError(
                         f"{os.path.dirname(self.path)} is in use by another run ({self._describe(info)}); "
-                        f"give this run another --outputs or experiment name, or stop that one (if it is gone, "
+                        f"give this run another folder (--run-dir, or no --run-dir for a new numbered one), or stop that one (if it is gone, "
                         f"delete {self.path})")
                 who = self._describe(info) if info else "unreadable"
                 print(f"[jaxsora] taking over the stale lock of a dead run ({who})", file=sys.stderr, flush=True)

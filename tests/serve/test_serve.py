@@ -26,8 +26,8 @@ def run(tmp_path_factory):
     os.environ.setdefault("WANDB_SILENT", "true")
     cfg = small_config(out, max_steps=3, ckpt_every=3, mesh=(1, 1, 1), experiment="656-tiny")
     cfg.wandb.update(dict(enabled=True, mode="offline", project="jaxsora-test"))
-    res = train(cfg, RunOptions(), loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp,
-                                                                              per_device_batch=2, text_inputs=t))
+    res = train(cfg, RunOptions(run_dir=str(out / "656-tiny")),
+                loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, per_device_batch=2, text_inputs=t))
     presets = out / "presets.json"
     presets.write_text(json.dumps(TINY))
     return out, res, str(presets)

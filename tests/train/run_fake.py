@@ -48,7 +48,7 @@ def factory(c, dp, text_inputs):
 
 
 try:
-    res = train(cfg, RunOptions(load=args.load), loader_factory=factory)
+    res = train(cfg, RunOptions(load=args.load, run_dir=os.path.join(args.outputs, "run")), loader_factory=factory)
 except NonFiniteError as e:
     res = dict(nonfinite_stop=str(e))
 print("RESULT " + json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float, str, bool, type(None)))}),

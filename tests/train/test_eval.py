@@ -2,7 +2,9 @@
 deterministic (twice, after a resume, on another mesh), independent of the train step and RNG,
 equal to a direct computation with `rflow.training_loss_explicit`, logged per bucket (eval.jsonl,
 wandb, console); MFU, data-wait share and per-bucket step times in metrics.jsonl."""
+import dataclasses
 import json
+import os
 import pathlib
 import sys
 import types
@@ -50,7 +52,10 @@ def _run(cfg, opts=None):
     def factory(c, dp, text_inputs):
         return FakeLoader(data_parallel_size=dp, text_inputs=text_inputs, per_device_batch=GLOBAL_BATCH // dp)
 
-    return train(cfg, opts or RunOptions(), loader_factory=factory)
+    opts = opts or RunOptions()
+    if opts.run_dir is None:  # these tests name their run folders <outputs>/<experiment> (no numbering)
+        opts = dataclasses.replace(opts, run_dir=os.path.join(cfg.train.outputs, cfg.train.experiment))
+    return train(cfg, opts, loader_factory=factory)
 
 
 def _lines(path):

@@ -1,5 +1,6 @@
 """The training loop: exact resume (also after SIGKILL), resume modes, mesh changes, equal losses on
 1 vs 8 devices and 1 vs 2 processes, SIGTERM, non-finite steps, config errors."""
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +29,10 @@ def _run(cfg, opts=None, **loader_kw):
         kw.update(loader_kw)
         return FakeLoader(data_parallel_size=dp, text_inputs=text_inputs, **kw)
 
-    return train(cfg, opts or RunOptions(), loader_factory=factory)
+    opts = opts or RunOptions()
+    if opts.run_dir is None:  # these tests name their run folders <outputs>/<experiment> (no numbering)
+        opts = dataclasses.replace(opts, run_dir=os.path.join(cfg.train.outputs, cfg.train.experiment))
+    return train(cfg, opts, loader_factory=factory)
 
 
 def _params(ckpt_dir, step=None):

@@ -37,7 +37,8 @@ def test_peak_memory_grows_with_the_batch(peaks):
 
 
 def test_dry_run_prints_compiled_memory_per_bucket(tmp_path, capsys):
-    res = train(small_config(tmp_path, mesh=(1, 1, 1)), RunOptions(dry_run=True), loader_factory=_factory(2))
+    res = train(small_config(tmp_path, mesh=(1, 1, 1)), RunOptions(dry_run=True, run_dir=str(tmp_path / "run")),
+                loader_factory=_factory(2))
     out = capsys.readouterr().out
     assert "per-device memory of the compiled train step" in out and "peak GiB" in out
     (row,) = res["buckets"]
@@ -51,7 +52,7 @@ def test_run_refuses_a_bucket_that_does_not_fit(peaks, tmp_path):
     cfg.train.device_memory_gib = (peaks[2] + peaks[3]) / 2 / memory.GIB  # batch 2 fits, 3 does not
     with pytest.raises(memory.MemoryPlanError, match=r"fake 4×16×16: per-device batch 4 .* largest per-device "
                                                      r"batch that fits: 2"):
-        train(cfg, RunOptions(), loader_factory=_factory(4))
+        train(cfg, RunOptions(run_dir=str(tmp_path / "run")), loader_factory=_factory(4))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")  # refused before anything was written
 
 

@@ -36,13 +36,13 @@ def _loss(run_dir, step):
 
 def test_train_on_videos_with_and_without_text_cache(dataset, tmp_path):
     cfg = _config(tmp_path / "t5", dataset)
-    res = train(cfg, RunOptions())
+    res = train(cfg, RunOptions(run_dir=str(tmp_path / "t5" / "run")))
     assert res["steps"] == 2
     encoder = build_text_encoder(cfg.text_encoder.to_dict())
     texts = list(__import__("pandas").read_csv(dataset / "meta.csv")["text"])
     write_cache(str(tmp_path / "cache"), texts, encoder, encoder_config=cfg.text_encoder.to_dict(), num_shards=2,
                 batch_size=8, store_dtype="float32", table_path=str(dataset / "meta.csv"))
     cached = train(_config(tmp_path / "cached", dataset, text_cache=str(tmp_path / "cache"), num_workers=1),
-                   RunOptions())
+                   RunOptions(run_dir=str(tmp_path / "cached" / "run")))
     assert cached["steps"] == 2
     assert _loss(tmp_path / "cached" / "run", 1) == pytest.approx(_loss(tmp_path / "t5" / "run", 1), rel=1e-5)

@@ -141,7 +141,8 @@ def test_two_runs_in_one_folder(tmp_path):
         assert info["pid"] == first.pid and info["host"] == socket.gethostname()
         cfg = small_config(tmp_path, max_steps=3, mesh=(1, 1, 1))
         with pytest.raises(RunLockedError, match=f"pid {first.pid}"):
-            train(cfg, RunOptions(), loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, text_inputs=t))
+            train(cfg, RunOptions(run_dir=str(tmp_path / "run")),
+                  loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, text_inputs=t))
     finally:
         first.kill()
         first.wait()
@@ -204,7 +205,8 @@ def test_blown_up_update_is_rejected(tmp_path):
     cfg = small_config(tmp_path, max_steps=20, ckpt_every=2, mesh=(1, 1, 1), max_nonfinite_steps=3)
     cfg.optim.update(dict(lr=1e8, warmup_steps=0, lr_schedule="constant"))
     with pytest.raises(NonFiniteError, match=r"Last good checkpoint: .*checkpoints/0\b"):
-        train(cfg, RunOptions(), loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, text_inputs=t))
+        train(cfg, RunOptions(run_dir=str(tmp_path / "run")),
+              loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, text_inputs=t))
     lines = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
     assert lines and all(ln["nonfinite_total"] >= 1 for ln in lines)
     assert np.isfinite(lines[-1]["loss"]) and lines[-1]["weight_norm"] < 1e3

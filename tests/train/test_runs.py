@@ -1,10 +1,14 @@
 """`python -m jaxsora.runs`: a run folder's number, status, step, losses and newest complete checkpoint,
-from its small files."""
+from its small files; the experiment-number helpers (lookup, next number) shared with train and serve."""
 import json
 import os
 import socket
 
-from jaxsora.runs import format_table, list_runs
+import pytest
+
+from jaxsora.errors import UserError
+from jaxsora.runs import (CLAIMS_DIR, find_run, format_table, list_runs, new_run_dir, next_run_number,
+                          run_folder_name, run_number)
 
 
 def _run(root, name, *, steps, complete, lock_pid=None):
@@ -38,3 +42,52 @@ def test_runs_are_listed_by_number_with_their_state(tmp_path):
     assert r["experiment"] == "stdit3-xl2" and r["wandb_id"] == "abc123"
     table = format_table(runs)
     assert "012-stage2" in table and "running" in table and "stopped" in table
+
+
+# ----------------------------------------------------------------------------------------------
+# experiment numbers: the lookup train --load, serve --runs and this listing share
+# ----------------------------------------------------------------------------------------------
+def test_run_numbers_of_folder_names():
+    assert run_number("656-stdit3-xl2") == 656 and run_number("/x/outputs/001-demo/") == 1
+    assert run_number("demo") is None and run_number("656") is None and run_number("jax_cache") is None
+    assert run_folder_name(7, "stage1") == "007-stage1" and run_folder_name(1234, "s") == "1234-s"
+
+
+def test_find_run_by_number_or_path(tmp_path):
+    for name in ("001-stage1", "002-stage2", "010-stage2", "002-copy", "0042-old"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "7").mkdir()  # a folder named by its number only
+    (tmp_path / "015-notes.txt").write_text("")  # not a folder: no run
+    out = str(tmp_path)
+    assert find_run("1", out) == str(tmp_path / "001-stage1")
+    assert find_run("001", out) == find_run("0001", out) == str(tmp_path / "001-stage1")
+    assert find_run("10", out) == str(tmp_path / "010-stage2")
+    assert find_run("42", out) == str(tmp_path / "0042-old")
+    assert find_run("7", out) == str(tmp_path / "7")
+    assert find_run(str(tmp_path / "010-stage2"), "elsewhere") == str(tmp_path / "010-stage2")  # a path wins
+    with pytest.raises(UserError) as ei:
+        find_run("2", out, what="--load")
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith("--load 2:") and "002-copy" in msg and "002-stage2" in msg
+    for missing in ("3", "15"):
+        with pytest.raises(UserError) as ei:
+            find_run(missing, out)
+        msg = str(ei.value)
+        assert "\n" not in msg and f"no run numbered {missing}" in msg and "001-stage1, 002-copy" in msg
+    with pytest.raises(UserError, match="no such folder"):
+        find_run("no-such-run", out)
+    with pytest.raises(UserError, match="no outputs folder"):
+        find_run("1", str(tmp_path / "missing"))
+
+
+def test_next_number_counts_every_numbered_entry_and_claim(tmp_path):
+    out = str(tmp_path / "outputs")
+    assert next_run_number(out) == 1  # no outputs folder yet
+    assert new_run_dir(out, "stage1") == os.path.join(out, "001-stage1")
+    assert new_run_dir(out, "stage1") == os.path.join(out, "002-stage1")  # the same config: a new folder
+    (tmp_path / "outputs" / "998-by-hand").mkdir()
+    assert new_run_dir(out, "x") == os.path.join(out, "999-x")
+    assert new_run_dir(out, "x") == os.path.join(out, "1000-x")  # more digits when needed
+    os.rmdir(os.path.join(out, "1000-x"))
+    assert next_run_number(out) == 1001  # a deleted run's number is not handed out again
+    assert sorted(os.listdir(os.path.join(out, CLAIMS_DIR))) == ["001", "002", "1000", "999"]
