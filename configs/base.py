@@ -73,6 +73,7 @@ def get_config():
         frame_interval=1,
         num_workers=8,                  # grain worker processes decoding batches (0: in the train process)
         decode_threads=1,               # grain read threads per process (batches decoded side by side)
+        codec_threads=0,                # FFmpeg decoder threads per sample (0: host cores ÷ (workers × read threads), 1-4)
         prefetch=2,                     # batches buffered ahead, per worker
         index_dir="",                   # table index folder ("": <run>/table_index); reused while unchanged
         seed=42,
@@ -118,6 +119,19 @@ def get_config():
         seed=42,                        # the eval's noise, VAE samples and temporal crops (misc/eval_loss.py: 42)
         decode_threads=2,               # batches decoded ahead while the device evaluates
         text_cache="",                  # with data.text_cache: the eval table's cached text states
+    ))
+    # LoRA fine-tuning (jaxsora/models/lora.py): rank > 0 wraps the targeted Linear layers with low-rank
+    # adapters y = x·W + b + (alpha/rank)·(dropout(x)·A)·B and trains only A and B (optimizer state and EMA
+    # hold adapters only); the base model (usually --ckpt-path) stays frozen and is kept in every checkpoint.
+    c.lora = mlc.ConfigDict(dict(
+        rank=0,                         # 0: off (full training, as every Open-Sora stage); e.g. 16
+        alpha=16.0,                     # scale = alpha / rank
+        dropout=0.0,                    # dropout on the adapters' input, training only
+        targets=("attention", "cross_attention"),  # presets attention | cross_attention | mlp | all, or module
+                                        # path patterns matched against Linear paths: "attn.qkv", "mlp.fc1",
+                                        # "temporal_blocks", "spatial_blocks.*.cross_attn.q_linear", "t_block.1"
+        init="kaiming",                 # A's init as peft: kaiming (U(±1/sqrt(din))) | gaussian (N(0, 1/rank²)); B = 0
+        base="",                        # set by the trainer: the --ckpt-path the base came from (a record only)
     ))
     c.wandb = mlc.ConfigDict(dict(enabled=False, project="jaxsora", mode="online", name=""))
     c.sample = mlc.ConfigDict(dict(num_frames=51, height=240, width=426, fps=24))

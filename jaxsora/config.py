@@ -23,6 +23,18 @@ def _need_file(path, what):
         raise ConfigError(f"{what}: no such file or folder: {path}")
 
 
+def _need_table(table, what):
+    """A table file, folder, glob of shards or fsspec URL with at least one table file."""
+    if not table:
+        raise ConfigError(f"{what} is not set")
+    from jaxsora.data.tables import TableError, table_files
+
+    try:
+        table_files(str(table))
+    except TableError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
 # The documented range of every numeric knob: key → (low, high, note). `low`/`high` are
 # inclusive bounds (None: unbounded); the note says what the ends mean. Checked before any work.
 RANGES = {
@@ -51,6 +63,7 @@ RANGES = {
     "optim.ema_decay": (0.0, 1.0, ""),
     "data.num_workers": (0, None, "0: decode in the training process"),
     "data.decode_threads": (1, None, ""),
+    "data.codec_threads": (0, 64, "0: host cores ÷ (workers × read threads), clamped to 1-4"),
     "data.prefetch": (1, None, ""),
     "data.frame_interval": (1, None, ""),
     "data.batch_size_override": (0, None, "0: the bucket config's batch sizes"),
@@ -65,9 +78,12 @@ RANGES = {
     "train.peak_flops": (0.0, None, "peak FLOP/s per device for MFU; 0: the device table"),
     "scheduler.scale": (0.0, None, "must be > 0"),
     "scheduler.transform_scale": (0.0, None, "must be > 0"),
+    "lora.rank": (0, None, "0: LoRA off"),
+    "lora.alpha": (0.0, None, "must be > 0; scale = alpha / rank"),
+    "lora.dropout": (0.0, 1.0, "on the adapters' input, training only; must be < 1"),
 }
 # Knobs where the low end itself is meaningless (a zero learning rate, eps or scale).
-_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale"}
+_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale", "lora.alpha"}
 # 0 is allowed besides the range (an "off" switch).
 _ZERO_MEANS_OFF = {"train.max_param_norm_growth"}
 
@@ -107,7 +123,7 @@ def validate_config(config, opts=None) -> None:
             raise ConfigError(f"config has no '{group}' group")
     check_ranges(config)
 
-    _need_file(config.data.get("table"), "data.table (--data-path)")
+    _need_table(config.data.get("table"), "data.table (--data-path)")
     dry = bool(opts is not None and opts.dry_run)
     for group, kind in (("vae", "opensora"), ("text_encoder", "t5")):
         if config[group].get("kind") == kind:
@@ -187,6 +203,7 @@ def validate_config(config, opts=None) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model: {e}") from e
 
+    _check_lora(config, opts)
     load_bucket_config_file(config)
     from jaxsora.data import buckets
 
@@ -196,6 +213,66 @@ def validate_config(config, opts=None) -> None:
         buckets.validate_bucket_config(config.data.bucket_config, extra)
     except ValueError as e:
         raise ConfigError(f"data.bucket_config: {e}") from e
+
+
+def _check_lora(config, opts=None) -> None:
+    """The `lora` group: an integer rank, dropout < 1, and targets that select Linear layers of the
+    configured model (checked on its abstract module tree; nothing is allocated). With --load: the
+    same adapters as the checkpoint's (rank, alpha, adapted layers), and its `lora.base` record."""
+    group = config.get("lora")
+    rank = group.get("rank", 0) if group is not None else 0
+    if rank and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise ConfigError(f"lora.rank must be an integer, got {rank!r}")
+    from jaxsora.models import lora
+    from jaxsora.train.build import build_model_config
+
+    mcfg = build_model_config(config.model, in_channels=4, caption_channels=64, model_max_length=8)
+    try:
+        spec = lora.LoRASpec.from_config(group)
+        if spec is not None:
+            lora.check_targets(spec, mcfg)
+    except lora.LoRAError as e:
+        raise ConfigError(str(e)) from None
+    if opts is None or not getattr(opts, "load", None):
+        return
+    saved = _checkpoint_lora(opts.load, getattr(opts, "step", None))
+    if saved is None:
+        return
+    old = None
+    try:
+        old = lora.LoRASpec.from_config(saved)
+        same = (spec is None) == (old is None) and (spec is None or (
+            (spec.rank, spec.alpha) == (old.rank, old.alpha)
+            and lora.check_targets(spec, mcfg) == lora.check_targets(old, mcfg)))
+    except lora.LoRAError:
+        same = False
+    if not same:
+        def show(s):
+            return "no LoRA" if s is None else f"lora rank {s.rank}, alpha {s.alpha:g}, targets {','.join(s.targets)}"
+        raise ConfigError(f"--load {opts.load}: the checkpoint was trained with {show(old)} but the config has "
+                          f"{show(spec)}; resume with the checkpoint's lora settings")
+    if spec is not None and "base" in group and not group.base and saved.get("base"):
+        group.base = saved["base"]  # keep the record of where the base came from across resumes
+
+
+def _checkpoint_lora(load, step) -> dict | None:
+    """The `lora` group of the config of the step --load resumes from (the newest one with a config
+    item, or `step`); None when it cannot be read (restore reports that)."""
+    import json
+
+    from jaxsora.train.checkpoint import CheckpointError, checkpoint_steps, resolve_checkpoint
+
+    try:
+        root, named = resolve_checkpoint(load, step)
+    except CheckpointError:
+        return None
+    for s in ([named] if named is not None else checkpoint_steps(root)[::-1]):
+        try:
+            with open(os.path.join(root, str(s), "config", "metadata")) as f:
+                return dict(json.load(f).get("lora") or {})
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def _check_sources(opts) -> None:

@@ -100,9 +100,12 @@ def _flatten(tree, prefix=()):
         yield prefix, getattr(tree, "value", tree) if not hasattr(tree, "shape") else tree
 
 
-def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) -> tuple[STDiT3Config, dict]:
+def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None,
+                 merge_lora: bool = True) -> tuple[STDiT3Config, dict]:
     """(model config, {nnx path as tuple of str: numpy array}) from a native checkpoint: the params
-    (or the EMA) and the frozen variables; the optimizer state is never read."""
+    (or the EMA) and the frozen variables; the optimizer state is never read. A LoRA run's
+    checkpoint (config `lora.rank` > 0: adapters in params/ema, the base in frozen) comes back
+    merged, W + scale·A·B, as the plain model's weights (merge_lora=False: base and adapters)."""
     from jaxsora.train import checkpoint as ck
 
     step_dir = resolve_step_dir(path, step)
@@ -120,6 +123,12 @@ def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None) ->
     # Non-trainable model variables are stored beside the params ("frozen"; older: "buffers", ...).
     for extra in fields[1:]:
         flat.update({p: np.asarray(jax.device_get(v)) for p, v in _flatten(state[extra]) if p not in flat})
+    if merge_lora:
+        from jaxsora.models import lora
+
+        spec = lora.LoRASpec.from_config(config.get("lora"))
+        if spec is not None:
+            flat = lora.merge_flat(flat, spec.scale)
     return cfg, flat
 
 

@@ -383,9 +383,16 @@ class Pipeline:
         # The model's structure and each variable's sharding, from a trace of its initialization
         # (as train.state.plan_state; nothing is allocated).
         box: dict = {}
+        from jaxsora.models import lora
+
+        # A LoRA run's checkpoint: the base (frozen) and the adapters (params / ema) of the same layers.
+        lora_spec = lora.LoRASpec.from_config((run_cfg or {}).get("lora"))
 
         def init():
-            box["graphdef"], st = nnx.split(STDiT3(mcfg, rngs=nnx.Rngs(0)))
+            m = STDiT3(mcfg, rngs=nnx.Rngs(0))
+            if lora_spec is not None:
+                lora.apply_lora(m, lora_spec)
+            box["graphdef"], st = nnx.split(m)
             box["shardings"] = tree_shardings(st, mesh, rules)
             return st
 

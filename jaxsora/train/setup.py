@@ -9,16 +9,24 @@ Resume modes (the reference's flags, spec §6):
   unless `--start-from-scratch` (then the data order restarts, the rest continues).
 - `--ckpt-path P`: weights only (a jaxsora checkpoint or an Open-Sora/PixArt-Σ .pth/.safetensors);
   fresh optimizer, schedule and data order.
+
+LoRA (`lora.rank` > 0, `jaxsora.models.lora`): the plan's model carries adapters and only they are
+trained. `--ckpt-path` then loads the base model as without LoRA (same paths) and initializes the
+adapters — unless P is a LoRA run's checkpoint with the same rank, alpha and targets, whose adapters
+are loaded too; a LoRA checkpoint is refused for any other run (its params are adapters only: merge
+them first with `python -m jaxsora.tools.lora merge`). The base's source is recorded as `lora.base`
+in the run config. Checkpoints hold the base in their `frozen/` item, so `--load` needs nothing else.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
+from jaxsora.models import lora as lora_lib
 from jaxsora.models.stdit3 import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
@@ -70,7 +78,12 @@ def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
     if mesh_lib.sequence_parallel_size(mesh) > 1:
         mcfg = mcfg.replace(sequence_parallel_axis="sequence")
     tx = make_optimizer(config.optim)
-    plan = plan_state(mcfg, tx, int(config.train.seed), mesh, rules)
+    lora = lora_lib.LoRASpec.from_config(config.get("lora"))
+    plan = plan_state(mcfg, tx, int(config.train.seed), mesh, rules, lora=lora)
+    if lora is not None and jax.process_index() == 0:
+        n = sum(int(x.size) for x in jax.tree.leaves(plan.abstract.params))
+        print(f"[jaxsora] LoRA rank {lora.rank} (scale {lora.scale:g}) on {len(lora_lib.check_targets(lora, mcfg))} "
+              f"Linear layers: {n:,} trainable numbers; the base model is frozen", flush=True)
     step_fn = make_train_step(plan.graphdef, tx, encode_video=encoders.encode_video,
                               encode_text=encoders.encode_text, scheduler_cfg=plain(config.scheduler),
                               mask_ratios=plain(config.mask_ratios) or None, ema_decay=float(config.optim.ema_decay),
@@ -93,6 +106,7 @@ def default_loader(config, dp: int, text_inputs):
                        data_parallel_size=dp, process_index=jax.process_index(),
                        process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
                        decode_threads=int(dcfg.get("decode_threads", 1)), prefetch=int(dcfg.get("prefetch", 2)),
+                       codec_threads=int(dcfg.get("codec_threads", 0)),
                        index_dir=dcfg.get("index_dir") or None, frame_interval=int(dcfg.get("frame_interval", 1)),
                        extra_resolutions=plain(dcfg.resolutions) if dcfg.get("resolutions") else None,
                        text_inputs=text_inputs)
@@ -108,14 +122,46 @@ def weights_only_state(setup: RunSetup, path: str) -> TrainState:
 
     plan = setup.plan
     targets = model_variables(plan.abstract_sharded)
+    wanted = targets
+    if _lora_weights_source(setup, path) is None:  # LoRA adapters start fresh (none in the file)
+        wanted = {p: t for p, t in targets.items() if not lora_lib.is_adapter_path(p)}
     if os.path.isdir(path):
-        loaded = sharded.read_native_weights(path, targets)
+        loaded = sharded.read_native_weights(path, wanted)
         print(f"[jaxsora] --ckpt-path: loaded weights from {path}")
     else:
-        loaded, report = sharded.read_torch_weights(path, targets, setup.model_config.model_max_length)
+        loaded, report = sharded.read_torch_weights(path, wanted, setup.model_config.model_max_length)
         print(f"[jaxsora] --ckpt-path {path}: {report.summary()}")
     values = {**init_variables_sharded(plan, set(targets) - set(loaded)), **loaded}
     return state_from_weights(plan, *with_variables(plan, values))
+
+
+def _lora_weights_source(setup: RunSetup, path: str) -> Optional[lora_lib.LoRASpec]:
+    """The LoRA spec of a `--ckpt-path` jaxsora checkpoint whose adapters this run continues (same
+    rank, alpha and adapted layers), else None. Refuses a LoRA checkpoint the run cannot take
+    (its params are adapters, its base model is in frozen/: read plainly, the adapters would be
+    dropped without a word). With LoRA on, records the source as `lora.base` in the run config."""
+    run = setup.plan.lora
+    source = None
+    if os.path.isdir(path):
+        from jaxsora.convert.native import read_config, resolve_step_dir
+
+        source = lora_lib.LoRASpec.from_config(read_config(resolve_step_dir(path)).get("lora"))
+    if run is not None and "lora" in setup.config:
+        with setup.config.unlocked():
+            setup.config.lora.base = os.path.abspath(path)
+    if source is None:
+        return None
+    mcfg = setup.model_config
+    same = (run is not None and (run.rank, run.alpha) == (source.rank, source.alpha)
+            and lora_lib.check_targets(run, mcfg) == lora_lib.check_targets(source, mcfg))
+    if not same:
+        have = f"rank {source.rank}, alpha {source.alpha:g}, targets {','.join(source.targets)}"
+        want = "no LoRA" if run is None else f"rank {run.rank}, alpha {run.alpha:g}, targets {','.join(run.targets)}"
+        raise lora_lib.LoRAError(
+            f"--ckpt-path {path} is a LoRA checkpoint ({have}) and this run has {want}: merge its adapters into "
+            f"the base first (python -m jaxsora.tools.lora merge --ckpt {path} --out DIR) and start from DIR, or "
+            f"use the same lora settings to go on training these adapters")
+    return source
 
 
 def fresh_state(setup: RunSetup) -> TrainState:

@@ -13,11 +13,16 @@ state, EMA of the params and the RNG key. Every array is created directly in its
   what a file lacks is initialized (`init_variables_sharded`).
 - Restoring (`--load`) reads each shard from the checkpoint into its target sharding
   (`jaxsora.train.checkpoint.restore` with `plan.abstract_sharded`).
+
+LoRA (`plan.lora`, see `jaxsora.models.lora`): the model is built, then its targeted Linears are
+wrapped (in the same trace); the trainable params are then the adapters alone, so the optimizer
+state and the EMA hold adapters only and the whole base model (its Params, unchanged paths) is in
+`frozen`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +30,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxsora.models.stdit3 import STDiT3, STDiT3Config, trainable_filter
+from jaxsora.models import lora as lora_lib
+from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 from jaxsora.parallel.sharding import abstract_with_shardings, constrain_tree, tree_shardings
 
 
@@ -40,8 +46,16 @@ class TrainState:
 
 
 def split_model(model: STDiT3):
-    """(graphdef, trainable state, frozen state)."""
-    return nnx.split(model, trainable_filter(model.config), ...)
+    """(graphdef, trainable state, frozen state). A model with LoRA adapters trains only them."""
+    return nnx.split(model, lora_lib.trainable_filter(model), ...)
+
+
+def build_model(config: STDiT3Config, seed: int, lora: Optional[lora_lib.LoRASpec] = None) -> STDiT3:
+    """The model of a plan: STDiT3 from `seed`, with the LoRA adapters of `lora` (None: none)."""
+    model = STDiT3(config, rngs=nnx.Rngs(seed))
+    if lora is not None:
+        lora_lib.apply_lora(model, lora, seed=seed)
+    return model
 
 
 def _state_from(params, frozen, tx: optax.GradientTransformation, seed: int) -> TrainState:
@@ -68,6 +82,7 @@ class StatePlan:
     abstract: TrainState  # ShapeDtypeStructs (inside nnx Variables, with their logical names)
     shardings: TrainState  # a NamedSharding per leaf
     traced_init: Any = None  # the traced initialization (`jax.stages.Traced`), compiled only if used
+    lora: Optional[lora_lib.LoRASpec] = None  # LoRA adapters (only they are trained), or None
 
     @property
     def abstract_sharded(self) -> TrainState:
@@ -79,18 +94,18 @@ class StatePlan:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def _model(self) -> STDiT3:
-        return STDiT3(self.config, rngs=nnx.Rngs(self.seed))
+        return build_model(self.config, self.seed, self.lora)
 
 
 def plan_state(config: STDiT3Config, tx: optax.GradientTransformation, seed: int, mesh: jax.sharding.Mesh,
-               rules) -> StatePlan:
+               rules, lora: Optional[lora_lib.LoRASpec] = None) -> StatePlan:
     """Trace the initialization once: it yields the graphdef, the abstract state and — from the
     logical names each parameter carries — the shardings, which the traced program applies to its
     own outputs. Nothing is allocated; `init_state_sharded` compiles and runs that same trace."""
     box = {}
 
     def init():
-        graphdef, params, frozen = split_model(STDiT3(config, rngs=nnx.Rngs(seed)))
+        graphdef, params, frozen = split_model(build_model(config, seed, lora))
         state = _state_from(params, frozen, tx, seed)
         box["graphdef"], box["shardings"] = graphdef, tree_shardings(state, mesh, rules)
         return constrain_tree(state, box["shardings"])
@@ -98,7 +113,7 @@ def plan_state(config: STDiT3Config, tx: optax.GradientTransformation, seed: int
     with jax.set_mesh(mesh):
         traced = jax.jit(init).trace()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced.out_info)
-    return StatePlan(config, tx, seed, mesh, rules, box["graphdef"], abstract, box["shardings"], traced)
+    return StatePlan(config, tx, seed, mesh, rules, box["graphdef"], abstract, box["shardings"], traced, lora)
 
 
 def init_state_sharded(plan: StatePlan) -> TrainState:

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
 from jaxsora.diffusion.masks import MaskGenerator
+from jaxsora.models.lora import dropout_rng as lora_dropout_rng
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
 from jaxsora.train.optim import ema_update
@@ -79,7 +80,8 @@ def make_train_step(
             model = nnx.merge(graphdef, params, state.frozen)
 
             def model_fn(x_t, t_, **c):
-                return model(x_t, t_, dropout_key=k_drop, **c)
+                with lora_dropout_rng(jax.random.fold_in(k_drop, 1)):  # LoRA adapters' dropout, if any
+                    return model(x_t, t_, dropout_key=k_drop, **c)
 
             per_sample = rflow.training_loss(
                 model_fn, x0, cond, k_loss, x_mask=x_mask, height=batch["height"], width=batch["width"],
