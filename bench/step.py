@@ -16,7 +16,8 @@ Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
 
 The step is fed latents and text states directly (the frozen VAE and T5 are not timed); it is
 otherwise the training step: rectified-flow loss with caption dropout, gradients, clipping, AdamW
-and EMA, the state donated.
+and EMA, the state donated. The reference row is the real Open-Sora step as scripts/train.py runs
+it: training_losses, backward, gradient clipping, AdamW and the EMA update.
 
 FLOPs, two ways (both printed): "model" is the formula below × 3 (forward + backward; the PaLM
 convention, rematerialization not counted); "XLA" is the compiled step's cost analysis (everything
@@ -156,6 +157,15 @@ cfg = dict(a["config"]); cfg["patch_size"] = tuple(cfg["patch_size"])
 model = R.build(cfg, seed=0)
 model.eval()  # no caption dropout (CUDA-only upstream); the math of the step is otherwise the same
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, eps=1e-15, weight_decay=0.0)
+# scripts/train.py runs `update_ema(ema, model, decay=ema_decay)` after every optimizer step
+# (opensora/utils/train_utils.py: ema ← decay·ema + (1 − decay)·param for each trained parameter);
+# written out here because that module imports ColossalAI.
+ema = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def update_ema(decay=0.99):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in ema:
+                ema[n].mul_(decay).add_(p.data, alpha=1 - decay)
 rng = np.random.default_rng(0)
 b, L = a["batch"], cfg["model_max_length"]
 t, h, w = a["latent"]
@@ -171,6 +181,7 @@ def step():
             p.grad = torch.from_numpy(grads[n])
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
+    update_ema()
 step(); step()
 ts = []
 for _ in range(a["steps"]):
