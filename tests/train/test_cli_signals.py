@@ -47,11 +47,14 @@ def test_stack_dump_heartbeat_and_sigterm_exit_code(table, tmp_path):
     assert beat["pid"] == proc.pid and beat["step"] >= 1
     proc.send_signal(STACK_DUMP_SIGNAL)  # a dump, not a stop
     stacks = run / "stacks" / "0.txt"
-    for _ in range(100):
-        if "most recent call first" in stacks.read_text():
+    # faulthandler writes the dump thread by thread: wait for the loop's frame itself, not the
+    # first header, or a read in between sees half a dump
+    for _ in range(300):
+        if "_run" in stacks.read_text():
             break
         time.sleep(0.1)
-    assert "_run" in stacks.read_text() and proc.poll() is None  # the loop's frame; still training
+    assert "_run" in stacks.read_text(), stacks.read_text()[-3000:]  # the loop's frame
+    assert proc.poll() is None  # still training
     proc.send_signal(signal.SIGTERM)
     out = "".join(seen) + proc.communicate(timeout=300)[0]
     assert proc.returncode == 75, out[-3000:]
