@@ -69,6 +69,8 @@ def get_config():
         bucket_config_file="",          # JSON replacing bucket_config (python -m jaxsora.tools.search_bs)
         batch_size_override=0,          # > 0: every bucket's per-device batch (smoke tests of a stage config)
         text_cache="",                  # a data_tools.precompute folder: cached T5 states instead of T5 in the step
+        features="",                    # a data_tools.precompute --latents folder: cached latents + T5 states
+                                        # (no video decoding, no VAE, no T5 in the run; data.table not read)
         resolutions={},                 # extra resolution tables {name: [(ar_key, (H, W)), ...]} beside the reference's
         frame_interval=1,
         num_workers=8,                  # grain worker processes decoding batches (0: in the train process)

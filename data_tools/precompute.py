@@ -1,8 +1,15 @@
-"""Encode a table's captions once into a text-state cache (see `jaxsora.data.cache`).
+"""Encode a table once: its captions into a text-state cache (`jaxsora.data.cache`), or with
+`--latents` its clips and captions into a feature cache (`jaxsora.data.features`).
 
     python -m data_tools.precompute --table meta.csv --text-encoder '{"kind": "tiny"}' --out DIR
     python -m data_tools.precompute --table meta.csv --text-encoder configs/stage1.py \\
         --out DIR --num-shards 64
+    python -m data_tools.precompute --latents --config configs/stage1.py --out FEATURES \\
+        [--table meta.csv] [--config.group.key=value ...] [--shard-size 256] [--batch-size N]
+
+Feature cache (`--latents`): the training config gives the table, buckets, seed, VAE, text encoder
+and mesh; train from it with `--config.data.features=FEATURES` (see `data_tools/latents.py`).
+Interrupted, the same command resumes where it stopped.
 
 `--text-encoder` is a JSON object, a `.json` file, or a config `.py` file whose `get_config()`
 returns a text-encoder config or a config with a `text_encoder` field (as `build_text_encoder`
@@ -68,25 +75,33 @@ def read_captions(table: str, column: str = "text") -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", required=True, help="CSV or parquet with a caption column")
-    p.add_argument(
-        "--text-encoder",
-        required=True,
-        help="JSON, .json or config .py (build_text_encoder config)",
-    )
+    p = argparse.ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--latents", action="store_true",
+                   help="a feature cache (VAE latents + text states per clip) from --config, not text states only")
+    p.add_argument("--config", default=None, help="with --latents: the training config (.py); "
+                   "--config.group.key=value overrides follow it")
+    p.add_argument("--table", default=None, help="CSV or parquet with a caption column (with --latents: "
+                   "replaces the config's data.table)")
+    p.add_argument("--text-encoder", default=None, help="JSON, .json or config .py (build_text_encoder config)")
     p.add_argument("--out", required=True, help="output cache directory")
-    p.add_argument("--num-shards", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--num-shards", type=int, default=1, help="text states: ArrayRecord shards")
+    p.add_argument("--shard-size", type=int, default=256, help="--latents: rows per shard (the unit of resumption)")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="rows per encoder call (text states: 16 if 0; --latents: the data-parallel size if 0)")
+    p.add_argument("--workers", type=int, default=8, help="--latents: decoding threads")
     p.add_argument("--text-column", default="text")
-    p.add_argument(
-        "--store-dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="default: bfloat16 for a bf16 encoder, else float32",
-    )
+    p.add_argument("--store-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 for a bf16 encoder, else float32")
     p.add_argument("--overwrite", action="store_true", help="replace an existing cache in --out")
-    args = p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args, rest = p.parse_known_args(argv)
+    if args.latents:
+        return _latents(args, rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if not args.table or not args.text_encoder:
+        p.error("--table and --text-encoder are required (or --latents --config FILE)")
 
     from jaxsora.data.cache import MANIFEST, write_cache
     from jaxsora.models.t5 import build_text_encoder
@@ -102,9 +117,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         encoder,
         encoder_config=dict(encoder.config),
         num_shards=args.num_shards,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or 16,
         store_dtype=args.store_dtype,
         table_path=os.path.abspath(args.table),
+        progress=not args.no_progress,
     )
     print(
         f"wrote {manifest['num_rows']} caption states (L={manifest['model_max_length']}, "
@@ -115,6 +131,32 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     )
     return manifest
 
+
+def _latents(args, overrides: list[str]) -> Optional[dict]:
+    from data_tools.latents import precompute_features
+    from data_tools.stats import load_config
+
+    if not args.config:
+        raise BadInput("--latents needs --config FILE (the training config: table, buckets, VAE, text encoder)")
+    config = load_config(args.config, overrides)
+    if args.table:
+        with config.unlocked():
+            config.data.table = args.table
+    if not config.data.get("table"):
+        raise BadInput("no table: set data.table in the config or pass --table")
+    from jaxsora.config import _need_table
+
+    _need_table(config.data.table, "data.table (--table)")
+    manifest = precompute_features(config, args.out, shard_size=args.shard_size, batch_size=args.batch_size,
+                                   store_dtype=args.store_dtype, workers=args.workers, overwrite=args.overwrite,
+                                   progress=not args.no_progress)
+    if manifest is not None:
+        skipped = sum(manifest["skipped"].values())
+        print(f"wrote {manifest['num_records']} clips' latents and text states in {len(manifest['buckets'])} "
+              f"bucket(s), {len(manifest['shards'])} shard(s), {manifest['dtype']}, to {args.out}"
+              + (f"; skipped {skipped} rows {manifest['skipped']}" if skipped else "")
+              + f"\ntrain from them with --config.data.features={args.out}", file=sys.stderr)
+    return manifest
 
 if __name__ == "__main__":
     from jaxsora.errors import run_cli

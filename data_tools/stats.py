@@ -42,7 +42,7 @@ def load_config(path: str, overrides: list[str]):
     from absl import flags
     from ml_collections import config_flags
 
-    from jaxsora.cli import _config_root_on_path, _unknown_override
+    from jaxsora.cli import _unknown_override, register_configs_package
     from jaxsora.config import load_bucket_config_file
 
     if not os.path.isfile(path.split(":")[0]):
@@ -50,7 +50,7 @@ def load_config(path: str, overrides: list[str]):
     bad = [a for a in overrides if a.startswith("-") and not a.startswith("--config.")]
     if bad:
         raise BadInput(f"unknown flag(s) {bad} (config overrides are --config.group.key=value)")
-    _config_root_on_path(path.split(":")[0])
+    register_configs_package(path.split(":")[0])
     fv = flags.FlagValues()
     argv = [PROG, f"--config={path}", *overrides]
     # sys_argv: the overrides are found in the argv given, not in the process's sys.argv

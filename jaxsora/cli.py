@@ -21,11 +21,30 @@ def _config_path(argv):
     return None
 
 
-def _config_root_on_path(path):
-    """Config files import `configs.base`: put the folder holding `configs/` on sys.path."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
+def register_configs_package(path):
+    """Config files import their base as `from configs import base`: make `configs` the package
+    folder the config file lives in (the nearest folder named `configs` above it), by path —
+    sys.path is left alone. A `configs` package already imported from that folder is kept."""
+    import importlib.util
+
+    folder = os.path.dirname(os.path.abspath(path))
+    while os.path.basename(folder) != "configs":
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return  # not under a configs/ folder: the file imports nothing of ours, or its own way
+        folder = parent
+    have = sys.modules.get("configs")
+    if have is not None and os.path.abspath(list(getattr(have, "__path__", [""]))[0]) == folder:
+        return
+    init = os.path.join(folder, "__init__.py")
+    spec = importlib.util.spec_from_file_location("configs", init if os.path.exists(init) else None,
+                                                  submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["configs"] = module
+    for name in [m for m in sys.modules if m.startswith("configs.")]:  # submodules of another configs folder
+        del sys.modules[name]
+    if spec.loader is not None:
+        spec.loader.exec_module(module)
 
 
 def _parse_flags(prog, argv):
@@ -81,7 +100,7 @@ def config_app(prog: str, define_flags: Callable[[], None], body: Callable[[], i
         fail(prog, "--config is required, e.g. --config configs/stage1.py")
     if not os.path.isfile(path.split(":")[0]):
         fail(prog, f"no such config file: {path.split(':')[0]}")
-    _config_root_on_path(path.split(":")[0])
+    register_configs_package(path.split(":")[0])
     from absl import app, flags
     from ml_collections import config_flags
 

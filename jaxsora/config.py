@@ -116,6 +116,19 @@ def check_ranges(config) -> None:
             raise ConfigError(f"{key} = {value!r} is out of range: it must be {rng}" + (f" ({note})" if note else ""))
 
 
+def _check_features(config) -> None:
+    """`data.features`: a finished feature cache, and no setting that needs the raw videos."""
+    from jaxsora.data.features import FeatureStore
+
+    _need_file(config.data.features, "data.features")
+    if config.data.get("text_cache"):
+        raise ConfigError("data.features already holds the text states: unset data.text_cache")
+    if "eval" in config and config.eval.get("table"):
+        raise ConfigError("eval.table is raw video, which a data.features run cannot encode (it loads no VAE or T5): "
+                          "unset eval.table, or evaluate the checkpoints in a run without data.features")
+    FeatureStore(config.data.features)  # complete and readable (FeatureCacheError names what is not)
+
+
 def validate_config(config, opts=None) -> None:
     """Raise ConfigError naming the first problem."""
     for group in ("model", "vae", "text_encoder", "data", "scheduler", "optim", "mesh", "train"):
@@ -123,10 +136,14 @@ def validate_config(config, opts=None) -> None:
             raise ConfigError(f"config has no '{group}' group")
     check_ranges(config)
 
-    _need_table(config.data.get("table"), "data.table (--data-path)")
+    features = config.data.get("features")
+    if features:
+        _check_features(config)
+    else:
+        _need_table(config.data.get("table"), "data.table (--data-path)")
     dry = bool(opts is not None and opts.dry_run)
     for group, kind in (("vae", "opensora"), ("text_encoder", "t5")):
-        if config[group].get("kind") == kind:
+        if config[group].get("kind") == kind and not features:  # a features run loads neither
             try:
                 _need_file(config[group].get("path"), f"{group}.path")
             except ConfigError as e:

@@ -26,9 +26,10 @@ Layout of a cache directory (written by `data_tools.precompute`):
   table order, so record index = table row. Each record is a serialized `tf.train.Example` with
   features `row` (int64), `key` (`"<row>:<caption hash>"`), `caption_hash`, `length` (int32, number
   of valid tokens, EOS included) and `y` (`[length, D]`, the valid tokens' states only, raw bytes of
-  the stored dtype). These are TFDS `Tensor`/`Text`/`Scalar` features, so the same files read as
-  `grain.sources.ArrayRecordDataSource` (raw bytes; parse with `parse_record`) and as a TFDS
-  dataset (`tfds.builder_from_directory(dir).as_data_source("train")`, no TensorFlow needed).
+  the stored dtype). These are TFDS `Tensor`/`Text`/`Scalar` features: the cache reads them as a
+  TFDS dataset (`tfds.builder_from_directory(dir).as_data_source("train")`, no TensorFlow needed),
+  and the same files read as `grain.sources.ArrayRecordDataSource` (raw bytes, which
+  `parse_record` decodes with the same TFDS features).
 * `dataset_info.json`, `features.json`: TFDS metadata.
 * `manifest.json`: encoder config, table path and fingerprint, L (`model_max_length`), D
   (`caption_channels`), stored dtype, shards. Written last, so a cache without it is incomplete.
@@ -43,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -111,95 +112,23 @@ def tfds_features(caption_channels: int, store_dtype: str):
     )
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(buf: bytes) -> Iterable[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a protobuf message: varint → int, LEN → bytes,
-    fixed32/64 → raw 4/8 bytes."""
-    pos, n = 0, len(buf)
-    while pos < n:
-        tag, pos = _varint(buf, pos)
-        field, wire = tag >> 3, tag & 7
-        if wire == 0:
-            val, pos = _varint(buf, pos)
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            val, pos = buf[pos : pos + size], pos + size
-        elif wire == 5:
-            val, pos = buf[pos : pos + 4], pos + 4
-        elif wire == 1:
-            val, pos = buf[pos : pos + 8], pos + 8
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        yield field, wire, val
-
-
-def _signed64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def parse_example(record: bytes) -> dict[str, list]:
-    """A serialized `tf.train.Example` → {feature name: list of bytes | int | float}, in pure
-    Python (no TensorFlow, no TFDS)."""
-    out: dict[str, list] = {}
-    for f, _, features in _fields(record):
-        if f != 1:
-            continue
-        for g, _, entry in _fields(features):
-            if g != 1:
-                continue
-            name, feature = None, b""
-            for h, _, v in _fields(entry):
-                if h == 1:
-                    name = bytes(v).decode("utf-8")
-                elif h == 2:
-                    feature = v
-            values: list = []
-            for kind, _, lst in _fields(feature):
-                for _, wire, v in _fields(lst):
-                    if kind == 1:  # BytesList
-                        values.append(bytes(v))
-                    elif kind == 2:  # FloatList (packed or not)
-                        values.extend(np.frombuffer(v, "<f4").tolist())
-                    elif kind == 3:  # Int64List
-                        if wire == 0:
-                            values.append(_signed64(v))
-                        else:
-                            p = 0
-                            while p < len(v):
-                                x, p = _varint(v, p)
-                                values.append(_signed64(x))
-            out[name] = values
-    return out
+def _decoded(ex: dict, caption_channels: int) -> dict[str, Any]:
+    """A record as TFDS decodes it → {"row", "key", "caption_hash", "length", "y"} (str/int/array)."""
+    text = lambda v: v.decode("utf-8") if isinstance(v, bytes) else str(v)  # noqa: E731
+    y = np.asarray(ex["y"]).reshape(-1, caption_channels)
+    length = int(ex["length"])
+    if y.shape[0] != length:
+        raise ValueError(f"text-state record for row {int(ex['row'])}: y has {y.shape[0]} tokens, length says {length}")
+    return {"row": int(ex["row"]), "key": text(ex["key"]), "caption_hash": text(ex["caption_hash"]),
+            "length": length, "y": y}
 
 
 def parse_record(record: bytes, caption_channels: int, store_dtype: str) -> dict[str, Any]:
-    """One cache record → {"row": int, "key": str, "caption_hash": str, "length": int,
-    "y": [length, D] in the stored dtype}."""
-    ex = parse_example(record)
-    missing = {"row", "key", "caption_hash", "length", "y"} - set(ex)
-    if missing:
-        raise ValueError(f"text-state record lacks features {sorted(missing)}")
-    length = int(ex["length"][0])
-    y = np.frombuffer(ex["y"][0], np_dtype(store_dtype)).reshape(-1, caption_channels)
-    if y.shape[0] != length:
-        raise ValueError(f"text-state record for row {ex['row'][0]}: y has {y.shape[0]} tokens, length says {length}")
-    return {
-        "row": int(ex["row"][0]),
-        "key": ex["key"][0].decode("utf-8"),
-        "caption_hash": ex["caption_hash"][0].decode("utf-8"),
-        "length": length,
-        "y": y,
-    }
+    """One serialized cache record (as `grain.sources.ArrayRecordDataSource` returns it) → {"row": int,
+    "key": str, "caption_hash": str, "length": int, "y": [length, D] in the stored dtype}, decoded by
+    TFDS's own features (no TensorFlow)."""
+    ex = tfds_features(caption_channels, store_dtype).deserialize_example_np(record)
+    return _decoded(ex, caption_channels)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,14 +247,6 @@ def _write_tfds_metadata(out_dir: str, features, shard_lengths: list[int]) -> No
 # --------------------------------------------------------------------------------------------
 # reading
 # --------------------------------------------------------------------------------------------
-def _open_source(paths: list[str]):
-    try:
-        from array_record.python.array_record_data_source import ArrayRecordDataSource
-    except ImportError:  # grain bundles the same reader
-        from grain.sources import ArrayRecordDataSource
-    return ArrayRecordDataSource(paths)
-
-
 class TextStateCache:
     """Random access to a cache directory written by `data_tools.precompute`.
 
@@ -363,8 +284,11 @@ class TextStateCache:
 
     @property
     def source(self):
+        """TFDS's own ArrayRecord data source over the shards (records decoded to numpy)."""
         if self._source is None:
-            self._source = _open_source([os.path.join(self.dir, p) for p in self.manifest["shards"]])
+            import tensorflow_datasets as tfds
+
+            self._source = tfds.builder_from_directory(self.dir).as_data_source(SPLIT)
         return self._source
 
     def check_table(self, texts: Sequence[str]) -> None:
@@ -387,8 +311,7 @@ class TextStateCache:
         for r in rows:
             if not 0 <= r < self.num_rows:
                 raise IndexError(f"{self.dir}: row {r} out of range (cache has {self.num_rows} rows)")
-        raw = self.source.__getitems__(rows)
-        recs = [parse_record(b, self.caption_channels, self.dtype) for b in raw]
+        recs = [_decoded(ex, self.caption_channels) for ex in self.source.__getitems__(rows)]
         for r, rec in zip(rows, recs):
             if rec["row"] != r:
                 raise ValueError(f"{self.dir}: record at index {r} holds row {rec['row']} (corrupt cache)")

@@ -294,8 +294,10 @@ class VideoLoader:
     def describe_plan(self, epoch: int = 0) -> list:
         """[(bucket (res, T, H, W), batches this epoch, global batch, rows assigned)] per (res, T, H, W),
         in order of first appearance; a bucket whose rows cannot fill one global batch shows 0 batches."""
-        groups = plan_lib.assign_rows(self._planner.sizes, self.buckets, seed=self.seed, epoch=epoch,
-                                      frame_interval=self.frame_interval)
+        groups = self._planner.groups  # a fixed assignment (feature cache), else this epoch's
+        if groups is None:
+            groups = plan_lib.assign_rows(self._planner.sizes, self.buckets, seed=self.seed, epoch=epoch,
+                                          frame_interval=self.frame_interval)
         counts = collections.OrderedDict()
         for b, rows in groups.items():
             f, h, w = self.buckets.target_size(b)
@@ -322,16 +324,19 @@ class VideoLoader:
         self.skip_counts = {str(r): int(c) for r, c in dict(state.get("skipped") or {}).items()}
 
     # ---- iteration ----------------------------------------------------------------------------
+    def _plan_source(self) -> _PlanSource:
+        """The random-access source of the dataset, from the current position."""
+        return _PlanSource(self.table, self.bucket_config, self.extra_resolutions, seed=self.seed, dp=self.dp,
+                           frame_interval=self.frame_interval, process_index=self.process_index,
+                           process_count=self.process_count, epoch=self.epoch, index=self.index,
+                           planner=self._planner, text_inputs=self.text_inputs, codec_threads=self.codec_threads)
+
     def dataset(self):
         """The grain pipeline from the current position: a `MapDataset` over the plan, read by
         `decode_threads` threads, in `num_workers` processes."""
         import grain
 
-        source = _PlanSource(self.table, self.bucket_config, self.extra_resolutions, seed=self.seed, dp=self.dp,
-                             frame_interval=self.frame_interval, process_index=self.process_index,
-                             process_count=self.process_count, epoch=self.epoch, index=self.index,
-                             planner=self._planner, text_inputs=self.text_inputs, codec_threads=self.codec_threads)
-        ds = grain.MapDataset.source(source).to_iter_dataset(
+        ds = grain.MapDataset.source(self._plan_source()).to_iter_dataset(
             grain.ReadOptions(num_threads=self.decode_threads, prefetch_buffer_size=self.prefetch))
         if self.num_workers > 0:
             from absl import flags

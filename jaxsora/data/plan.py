@@ -20,6 +20,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 
@@ -72,8 +73,12 @@ def assign_rows(sizes, buckets, *, seed: int, epoch: int, frame_interval: int = 
     return OrderedDict((buckets.bucket_keys[int(codes[g[0]])], g) for g in groups)
 
 
-def epoch_plan(sizes, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1) -> list[PlannedBatch]:
-    groups = assign_rows(sizes, buckets, seed=seed, epoch=epoch, frame_interval=frame_interval)
+def epoch_plan(sizes, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1,
+               groups: "Optional[OrderedDict[tuple, np.ndarray]]" = None) -> list[PlannedBatch]:
+    """Steps 2–3 above for one epoch. `groups` (bucket → rows) fixes the assignment of step 1 for
+    every epoch (a feature cache stores it); by default rows are assigned anew from (seed, epoch)."""
+    if groups is None:
+        groups = assign_rows(sizes, buckets, seed=seed, epoch=epoch, frame_interval=frame_interval)
     rng = np.random.default_rng([seed, epoch])
     per_bucket, access = {}, []
     for b, rows in groups.items():
@@ -98,8 +103,9 @@ class Planner:
     """Epoch plans of one table (its size columns), bucket setup, seed and data-parallel size, kept
     for the current and the previous epoch. Thread-safe (grain may read from several threads)."""
 
-    def __init__(self, sizes, buckets, *, seed: int, dp: int, frame_interval: int = 1):
-        self.sizes, self.buckets = sizes, buckets
+    def __init__(self, sizes, buckets, *, seed: int, dp: int, frame_interval: int = 1,
+                 groups: "Optional[OrderedDict[tuple, np.ndarray]]" = None):
+        self.sizes, self.buckets, self.groups = sizes, buckets, groups  # groups: a fixed assignment
         self.seed, self.dp, self.frame_interval = int(seed), int(dp), int(frame_interval)
         self._plans: dict[int, list] = {}
         self._pools: dict = {}
@@ -110,7 +116,7 @@ class Planner:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 self._plans[epoch] = epoch_plan(self.sizes, self.buckets, seed=self.seed, epoch=epoch, dp=self.dp,
-                                                frame_interval=self.frame_interval)
+                                                frame_interval=self.frame_interval, groups=self.groups)
             return self._plans[epoch]
 
     def bucket_rows(self, epoch: int, bucket: tuple) -> np.ndarray:

@@ -9,6 +9,7 @@ and the batch-size search compile the real step without the multi-GB VAE and T5 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -40,6 +41,13 @@ def _own_keys(cfg, table) -> dict:
     cfg = _plain(cfg)
     keys = table.get(cfg.get("kind"))
     return {k: v for k, v in cfg.items() if k in keys or k == "kind"} if keys is not None else cfg
+
+
+def frozen_encoder_configs(config) -> dict:
+    """{"vae": ..., "text_encoder": ...}: the encoder settings of `config` that latents and text
+    states depend on (a feature cache records them; a run training from it must match them, since
+    its checkpoints are sampled with these encoders)."""
+    return dict(vae=_own_keys(config.vae, _VAE_KEYS), text_encoder=_own_keys(config.text_encoder, _TEXT_KEYS))
 
 
 def build_text_encoder_from_config(cfg: Mapping[str, Any], *, mesh=None, rules=None):
@@ -130,6 +138,14 @@ class Encoders:
     model_max_length: int
     text_from_cache: bool
     text_inputs: Optional[TextInputs]
+    latents_dtype: Optional[str] = None  # set when the batches carry a feature cache's latents (no VAE)
+
+    def video_spec(self, batch: int, size: Sequence[int]) -> dict:
+        """Shape/dtype of the step's pixels for `batch` rows of pixel size (T, H, W): uint8 `video`,
+        or `latents` [B, C, t, h, w] from a feature cache."""
+        if self.latents_dtype is None:
+            return dict(video=((batch, 3, *size), jnp.uint8))
+        return dict(latents=((batch, self.in_channels, *self.latent_size(tuple(size))), jnp.dtype(self.latents_dtype)))
 
     def text_spec(self, batch: int) -> dict:
         """Shapes/dtypes of the step's `ids`/`text_mask` for `batch` rows."""
@@ -161,6 +177,8 @@ def build_encoders(config, mesh: jax.sharding.Mesh, rules, *, abstract: bool = F
     cached states replace T5. `abstract=True`: shapes only (dry run, batch-size search)."""
     from jaxsora.parallel.sharding import abstract_with_shardings, tree_shardings
 
+    if config.data.get("features"):
+        return _feature_encoders(config)
     weights = {}
     vae = build_vae_from_config(config.vae, abstract=abstract)
     if isinstance(vae, nnx.Module):
@@ -201,3 +219,29 @@ def build_encoders(config, mesh: jax.sharding.Mesh, rules, *, abstract: bool = F
         weights = jax.device_put(weights, shardings)
     return Encoders(weights, encode_video, encode_text, vae.get_latent_size, int(vae.out_channels), int(cap),
                     int(max_len), cache is not None, text_inputs)
+
+
+def _feature_encoders(config) -> Encoders:
+    """`data.features`: the batches carry latents and text states, so neither the VAE nor T5 is
+    loaded; only their shapes are read (the VAE's latent sizes, from its architecture). The
+    config's encoders must be those the features were made with — they sample its checkpoints."""
+    from jaxsora.config import ConfigError
+    from jaxsora.data.features import FeatureStore
+
+    store = FeatureStore(config.data.features)
+    ours, theirs = frozen_encoder_configs(config), {k: store.manifest.get(k) for k in ("vae", "text_encoder")}
+    for name in ours:
+        if json.loads(json.dumps(ours[name], default=str)) != theirs[name]:
+            raise ConfigError(f"data.features {store.dir} was encoded with {name} {theirs[name]}, the config has "
+                              f"{ours[name]}: set the config's {name} to the features' (it samples the checkpoints)")
+    vae = build_vae_from_config(config.vae, abstract=True)
+    if int(vae.out_channels) != store.latent_channels:
+        raise ConfigError(f"data.features {store.dir}: latents have {store.latent_channels} channels, the config's VAE "
+                          f"{vae.out_channels}")
+
+    def no_encoder(*_):
+        raise AssertionError("a data.features run encodes nothing: its batches carry latents and text states")
+
+    return Encoders({}, no_encoder, lambda enc, ids, mask: ids.astype(jnp.float32), vae.get_latent_size,
+                    store.latent_channels, store.caption_channels, store.model_max_length, True, None,
+                    latents_dtype=store.dtype)

@@ -487,8 +487,8 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
                     _compile_late(setup, batch, host)
                 watchdog.phase("step")
                 state, metrics = setup.step(state, batch, enc)
-                gb = batch["video"].shape[0]
-                bucket = tuple(host.get("bucket", ("", *batch["video"].shape[2:])))
+                gb = batch["fps"].shape[0]
+                bucket = tuple(host["bucket"]) if "bucket" in host else ("", *batch["video"].shape[2:])
                 size = tuple(int(v) for v in bucket[1:])
                 facts = dict(data_time=t_data, samples=gb, tokens=gb * setup.tokens_per_sample(size),
                              flops=flops_of(size, gb), epoch=host.get("epoch", 0), bucket=str(bucket),

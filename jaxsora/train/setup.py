@@ -56,7 +56,8 @@ class RunSetup:
 
     def batch_spec(self, size: tuple, global_batch: int) -> dict:
         """The step's abstract batch for a bucket of pixel size (T, H, W)."""
-        return batch_spec(size, global_batch, self.encoders.text_spec(global_batch), self.mesh)
+        return batch_spec(size, global_batch, self.encoders.text_spec(global_batch), self.mesh,
+                          self.encoders.video_spec(global_batch, size))
 
     def tokens_per_sample(self, size: tuple) -> int:
         """Image tokens STDiT3 sees for a clip of pixel size (T, H, W)."""
@@ -102,6 +103,14 @@ def default_loader(config, dp: int, text_inputs):
     if int(dcfg.get("batch_size_override", 0) or 0) > 0:
         bs = int(dcfg.batch_size_override)
         buckets = {r: {f: (p, None if b is None else bs) for f, (p, b) in fr.items()} for r, fr in buckets.items()}
+    if dcfg.get("features"):
+        from jaxsora.data.features import FeatureLoader
+
+        return FeatureLoader(dcfg.features, buckets, seed=int(dcfg.get("seed", config.train.seed)),
+                             data_parallel_size=dp, process_index=jax.process_index(),
+                             process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
+                             decode_threads=int(dcfg.get("decode_threads", 1)), prefetch=int(dcfg.get("prefetch", 2)),
+                             extra_resolutions=plain(dcfg.resolutions) if dcfg.get("resolutions") else None)
     return VideoLoader(dcfg.table, buckets, seed=int(dcfg.get("seed", config.train.seed)),
                        data_parallel_size=dp, process_index=jax.process_index(),
                        process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),

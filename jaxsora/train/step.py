@@ -52,7 +52,8 @@ def make_train_step(
 ):
     """Returns `step(state, batch, encoders) -> (state, metrics)`, to be jitted by the caller.
 
-    batch: video [B, 3, T, H, W] uint8 (mapped to [-1, 1] here) or f32 in [-1, 1]; ids/text_mask
+    batch: video [B, 3, T, H, W] uint8 (mapped to [-1, 1] here) or f32 in [-1, 1] — or, from a feature
+    cache, latents [B, C, T', H', W'] in place of video (no VAE call); ids/text_mask
     [B, L] int32; fps/height/width [B] f32 (pixels); num_frames [B] f32 (pixel frames).
     encoders: the frozen encoders' weights (any pytree), passed as jit *arguments* so that large
     VAE/T5 weights are not baked into the executable as constants.
@@ -67,10 +68,13 @@ def make_train_step(
         """The step's loss and the gradients of the trainable params (no update)."""
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         k_vae, k_mask, k_loss, k_drop = jax.random.split(key, 4)
-        video = batch["video"]
-        if video.dtype == jnp.uint8:
-            video = to_model_range(video)
-        x0 = jax.lax.stop_gradient(encode_video(encoders, video, k_vae).astype(jnp.float32))
+        if "latents" in batch:  # a feature cache's latents (data.features): no VAE in the step
+            x0 = batch["latents"].astype(jnp.float32)
+        else:
+            video = batch["video"]
+            if video.dtype == jnp.uint8:
+                video = to_model_range(video)
+            x0 = jax.lax.stop_gradient(encode_video(encoders, video, k_vae).astype(jnp.float32))
         y = jax.lax.stop_gradient(encode_text(encoders, batch["ids"], batch["text_mask"]))[:, None]
         b, t = x0.shape[0], x0.shape[2]
         x_mask = mask_gen.get_masks(k_mask, b, t) if mask_gen is not None else None
@@ -129,13 +133,16 @@ def make_train_step(
 # --------------------------------------------------------------------------------------------
 # the step's inputs
 # --------------------------------------------------------------------------------------------
-def batch_spec(size: tuple, batch: int, text_spec: dict, mesh: jax.sharding.Mesh) -> dict:
+def batch_spec(size: tuple, batch: int, text_spec: dict, mesh: jax.sharding.Mesh,
+               video_spec: Optional[dict] = None) -> dict:
     """The step's batch as ShapeDtypeStructs (sharded over the batch axes) for a bucket of pixel
     size (T, H, W) and `batch` global rows — what `global_batch` makes of a loader batch.
-    text_spec: {"ids": (shape, dtype), "text_mask": (shape, dtype)} (`Encoders.text_spec`)."""
+    text_spec: {"ids": (shape, dtype), "text_mask": (shape, dtype)} (`Encoders.text_spec`);
+    video_spec: the same for the video or latents (`Encoders.video_spec`; default uint8 video)."""
     t, h, w = size
     f32 = jnp.float32
-    shapes = dict(video=((batch, 3, t, h, w), jnp.uint8), **text_spec, fps=((batch,), f32), height=((batch,), f32),
+    video_spec = video_spec if video_spec is not None else dict(video=((batch, 3, t, h, w), jnp.uint8))
+    shapes = dict(**video_spec, **text_spec, fps=((batch,), f32), height=((batch,), f32),
                   width=((batch,), f32), num_frames=((batch,), f32))
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
             for k, (shape, dtype) in shapes.items()}
@@ -143,11 +150,15 @@ def batch_spec(size: tuple, batch: int, text_spec: dict, mesh: jax.sharding.Mesh
 
 def global_batch(host: dict, mesh: jax.sharding.Mesh) -> dict:
     """A loader's host batch (this host's rows; text already turned into `ids`/`text_mask` by the
-    loader's workers) → the step's global arrays."""
-    video = np.asarray(host["video"])
-    if video.dtype != np.uint8:
-        raise TypeError(f"the loader must give uint8 video (mapped to [-1, 1] in the step), got {video.dtype}")
-    local = dict(video=video, ids=np.asarray(host["ids"]), text_mask=np.asarray(host["text_mask"], np.int32),
+    loader's workers; uint8 `video`, or a feature cache's `latents`) → the step's global arrays."""
+    if "latents" in host:
+        pixels = dict(latents=np.asarray(host["latents"]))
+    else:
+        pixels = dict(video=np.asarray(host["video"]))
+        if pixels["video"].dtype != np.uint8:
+            raise TypeError(f"the loader must give uint8 video (mapped to [-1, 1] in the step), got "
+                            f"{pixels['video'].dtype}")
+    local = dict(**pixels, ids=np.asarray(host["ids"]), text_mask=np.asarray(host["text_mask"], np.int32),
                  **{k: np.asarray(host[k], np.float32) for k in ("fps", "height", "width", "num_frames")})
     return host_to_global(local, mesh)
 
