@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsora.errors import MissingFile, WeightsError
+from jaxsora.io.fill import fill_module
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 
 
@@ -134,18 +135,7 @@ def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None,
 
 def apply_weights(model: STDiT3, flat: dict, *, source: str = "checkpoint") -> None:
     """Copy {path-of-str: array} into `model`; missing or mis-shaped entries raise, naming them."""
-    missing = []
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        key = tuple(str(p) for p in path)
-        if key not in flat:
-            missing.append(".".join(key))
-            continue
-        value = flat[key]
-        if tuple(value.shape) != tuple(var[...].shape):
-            raise ValueError(f"{source}: shape mismatch for {'.'.join(key)}: {value.shape} vs model {var[...].shape}")
-        var[...] = jax.numpy.asarray(value, var[...].dtype)
-    if missing:
-        raise ValueError(f"{source}: missing {len(missing)} weights, e.g. {missing[:5]}")
+    fill_module(model, flat, source=source, key=lambda path: tuple(str(p) for p in path), unexpected="ignore")
 
 
 def load_model(path: str, *, ema: bool = False, step: Optional[int] = None,

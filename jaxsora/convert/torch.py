@@ -20,12 +20,12 @@ import os
 import re
 from typing import Iterable, Optional
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxsora.io.weights import TORCH_EXTS, open_state_dict, unwrap
+from jaxsora.io.fill import fill_module
+from jaxsora.io.weights import TORCH_EXTS, read_state_dict, unwrap  # noqa: F401  (read_state_dict: re-exported)
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 
 
@@ -159,16 +159,6 @@ def _import_torch(path):
     return torch
 
 
-def read_state_dict(path: str) -> dict[str, np.ndarray]:
-    """Read a weights file into {key: numpy array}, unwrapped (`jaxsora.io.weights`), with
-    bf16/fp16 upcast to float32."""
-    def full(t):
-        a = np.asarray(t[...])
-        return a.astype(np.float32) if a.dtype in (np.float16, ml_dtypes.bfloat16) else a
-
-    return {k: full(v) for k, v in open_state_dict(path).items()}
-
-
 def unwrap_state_dict(sd: dict) -> dict[str, np.ndarray]:
     """Strip `{ema|model|state_dict|module: ...}` wrappers and `module.` key prefixes."""
     return unwrap(sd, lambda v: isinstance(v, np.ndarray))
@@ -230,27 +220,12 @@ def _abbrev(keys: Iterable[str], n: int = 12) -> str:
 
 def load_torch_state_dict(model: STDiT3, sd: dict[str, np.ndarray], *, strict: bool = False) -> LoadReport:
     """Copy reference-named weights into `model` in place. Keys absent from `sd` keep the model's
-    (reference-style) initialization; a wrong shape is a ValueError naming the key."""
+    (reference-style) initialization; a wrong shape is a ValueError naming the key; `strict`: a
+    missing or unexpected key is an error (a ValueError and KeyError naming them)."""
     sd = reparameterize(unwrap_state_dict(sd), model.config.model_max_length)
-    mapped, initialized = [], []
-    used = set()
-    for path, var in _flat_variables(model):
-        key = torch_key(path)
-        if key not in sd:
-            initialized.append(key)
-            continue
-        value = from_torch_layout(path, np.asarray(sd[key]))
-        if tuple(value.shape) != tuple(var[...].shape):
-            theirs = tuple(np.asarray(sd[key]).shape)
-            ours = tuple(to_torch_layout(path, np.zeros(var[...].shape, np.float32)).shape)
-            raise ValueError(f"shape mismatch for {key}: checkpoint has {theirs}, the model expects {ours}")
-        var[...] = jnp.asarray(value, dtype=var[...].dtype)
-        mapped.append(key)
-        used.add(key)
-    ignored = sorted(set(sd) - used)
-    if strict and (initialized or ignored):
-        raise ValueError(f"strict load: missing {initialized[:5]}…, unexpected {ignored[:5]}…")
-    return LoadReport(mapped, initialized, ignored)
+    _, rep = fill_module(model, sd, source="", key=torch_key, file_shape=torch_shape, to_model=from_torch_layout,
+                         missing="raise" if strict else "keep", unexpected="raise" if strict else "ignore")
+    return LoadReport(rep.mapped, rep.missing, rep.unexpected)
 
 
 def from_torch_state_dict(state_dict: dict, config: STDiT3Config, *, seed: int = 0,

@@ -1,32 +1,44 @@
-"""Lazy readers of weights files: nothing is read until a slice of a tensor is asked for.
+"""The one reader of weights files: nothing is read until a slice of a tensor is asked for.
 
-`open_state_dict(path)` → {key: LazyTensor} for `.safetensors` (memory-mapped; bfloat16 through
-ml_dtypes, which `safetensors.numpy` cannot represent) and `.pth/.pt/.bin/.ckpt` (torch's
-`mmap=True` load, torch imported only then). Wrapper dicts (`ema`, `model`, `state_dict`,
+`open_state_dict(path)` → {key: LazyTensor} for `.safetensors` (the `safetensors` library,
+memory-mapped, numpy framework: bfloat16 as ml_dtypes.bfloat16, no torch), `.pth/.pt/.bin/.ckpt`
+(torch's `mmap=True` load, torch imported only then) and Hugging Face / diffusers folders
+(`model.safetensors`, a sharded `*.index.json`, `pytorch_model.bin`,
+`diffusion_pytorch_model.safetensors`, ...). Wrapper dicts (`ema`, `model`, `state_dict`,
 `module`) and `module.` key prefixes (DDP, ColossalAI) are removed. A `LazyTensor[index]` reads
 just that slice, so a sharded load holds one shard of one tensor at a time on the host.
+`read_state_dict(path)` reads everything into numpy. A missing file is a MissingFile, an
+unreadable one a WeightsError (one line each). Filling a module: `jaxsora.io.fill`.
 """
 from __future__ import annotations
 
 import json
 import os
-import struct
 from typing import Any, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
 
-from jaxsora.errors import MissingDependency, MissingFile, WeightsError
+from jaxsora.errors import MissingDependency, MissingFile, WeightsError, one_line
 
 TORCH_EXTS = (".pth", ".pt", ".bin", ".ckpt")
 WEIGHT_EXTS = (".safetensors",) + TORCH_EXTS
 # Wrappers Open-Sora / PixArt / ColossalAI / DDP put around a state dict.
 WRAPPER_KEYS = ("ema", "model", "state_dict", "module")
 
+# safetensors dtype names → numpy (bfloat16 is ml_dtypes', as safetensors.numpy gives it).
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+# What a Hugging Face / diffusers folder holds, in the order looked for (an index before its shards).
+HF_WEIGHT_FILES = (
+    "model.safetensors.index.json", "model.safetensors",
+    "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors",
+    "pytorch_model.bin.index.json", "pytorch_model.bin",
+    "diffusion_pytorch_model.bin.index.json", "diffusion_pytorch_model.bin",
+    "model.pth",
+)
 
 
 class LazyTensor:
@@ -49,53 +61,84 @@ class LazyTensor:
 
 
 class SafetensorsFile(Mapping[str, LazyTensor]):
-    """A memory-mapped `.safetensors` file as {key: LazyTensor}."""
+    """A memory-mapped `.safetensors` file as {key: LazyTensor}, read with the `safetensors` library
+    (numpy framework: bfloat16 comes back as ml_dtypes.bfloat16). A file the library refuses (too
+    short, a bad header, data not covering the header's tensors) is a one-line WeightsError."""
 
     def __init__(self, path: str):
+        from safetensors import safe_open
+
         self.path = path
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise WeightsError(f"{path}: not a safetensors file (shorter than its header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > os.path.getsize(path):
-                raise WeightsError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise WeightsError(f"{path}: not a safetensors file (unreadable header)") from e
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.header = header
-        self.offset = 8 + n
+        try:
+            self._file = safe_open(path, framework="numpy")
+        except Exception as e:  # safetensors' SafetensorError (and OSError for unreadable files)
+            raise WeightsError(f"{path}: not a readable safetensors file ({one_line(e)})") from e
+        self.metadata = self._file.metadata() or {}
+        keys = self._file.offset_keys() if hasattr(self._file, "offset_keys") else self._file.keys()
+        self._keys = dict.fromkeys(keys)  # in file order, as the header lists them
 
     def __getitem__(self, key: str) -> LazyTensor:
-        info = self.header[key]
-        if info["dtype"] not in _ST_DTYPES:
-            raise WeightsError(f"{self.path}: tensor {key!r} has unsupported safetensors dtype {info['dtype']}")
-        dt = np.dtype(_ST_DTYPES[info["dtype"]])
-        shape = tuple(info["shape"])
-        start, end = info["data_offsets"]
+        if key not in self._keys:
+            raise KeyError(key)
+        part = self._file.get_slice(key)
+        name = part.get_dtype()
+        if name not in _ST_DTYPES:
+            raise WeightsError(f"{self.path}: tensor {key!r} has unsupported safetensors dtype {name}")
 
         def read(index):
-            if end == start:  # an empty tensor
-                return np.zeros(shape, dt)[index]
-            if not shape:  # a scalar (np.memmap wants at least one dim)
-                return np.frombuffer(self._bytes(start, end), dt).reshape(())[index]
-            arr = np.memmap(self.path, dtype=dt, mode="r", offset=self.offset + start, shape=shape)
-            return np.array(arr[index])  # copies just the slice out of the map
+            try:
+                return part[index]
+            except Exception:  # what get_slice cannot cut (empty tensors, steps, negative bounds): numpy does
+                return self._file.get_tensor(key)[index]
 
-        return LazyTensor(shape, dt, read, key)
+        return LazyTensor(part.get_shape(), _ST_DTYPES[name], read, key)
 
-    def _bytes(self, start, end) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(self.offset + start)
-            return f.read(end - start)
+    def __contains__(self, key) -> bool:
+        return key in self._keys
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.header)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self.header)
+        return len(self._keys)
+
+
+class ShardedStateDict(Mapping[str, LazyTensor]):
+    """A Hugging Face `*.index.json` (its `weight_map`: key → shard file) as {key: LazyTensor};
+    each shard is opened the first time one of its keys is asked for."""
+
+    def __init__(self, index_path: str):
+        self.path, self.folder = index_path, os.path.dirname(index_path)
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise WeightsError(f"{index_path}: not a readable weights index ({one_line(e)})") from e
+        if not weight_map or not isinstance(weight_map, dict):
+            raise WeightsError(f"{index_path}: no 'weight_map'")
+        for name in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(self.folder, name)):
+                raise MissingFile(f"{index_path} names shard {name!r}, which is missing from {self.folder}")
+        self.index: dict[str, str] = dict(weight_map)
+        self._open: dict[str, Mapping[str, LazyTensor]] = {}
+
+    def __getitem__(self, key: str) -> LazyTensor:
+        name = self.index[key]
+        if name not in self._open:
+            self._open[name] = open_state_dict(os.path.join(self.folder, name))
+        shard = self._open[name]
+        if key not in shard:
+            raise WeightsError(f"{self.path} puts {key!r} in {name}, which does not hold it")
+        return shard[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 def _torch_lazy(t, name: str) -> LazyTensor:
@@ -122,9 +165,9 @@ def _load_torch(path: str):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise WeightsError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
+            raise WeightsError(f"{path}: cannot read it as a weights-only torch checkpoint ({one_line(e)})") from e
     except Exception as e:
-        raise WeightsError(f"{path}: cannot read it as a weights-only torch checkpoint ({e})") from e
+        raise WeightsError(f"{path}: cannot read it as a weights-only torch checkpoint ({one_line(e)})") from e
 
 
 def unwrap(tree: Mapping[str, Any], is_tensor) -> dict:
@@ -146,9 +189,18 @@ def unwrap(tree: Mapping[str, Any], is_tensor) -> dict:
     return out
 
 
-def open_state_dict(path: str) -> dict[str, LazyTensor]:
-    """{key: LazyTensor} of a weights file, unwrapped (see the module docstring)."""
+def open_state_dict(path: str) -> Mapping[str, LazyTensor]:
+    """{key: LazyTensor} of a weights file, unwrapped (see the module docstring), or of a Hugging
+    Face / diffusers folder: the first of `HF_WEIGHT_FILES` it holds (a sharded `*.index.json` opens
+    its shards as their keys are asked for)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        name = next((n for n in HF_WEIGHT_FILES if os.path.isfile(os.path.join(path, n))), None)
+        if name is None:
+            raise MissingFile(f"{path}: no weights in the folder (looked for {', '.join(HF_WEIGHT_FILES)})")
+        if name.endswith(".index.json"):
+            return ShardedStateDict(os.path.join(path, name))
+        path = os.path.join(path, name)
     if not os.path.isfile(path):
         raise MissingFile(f"weights file not found: {path}")
     if path.endswith(".safetensors"):
@@ -163,3 +215,12 @@ def open_state_dict(path: str) -> dict[str, LazyTensor]:
         flat = unwrap(obj, lambda v: isinstance(v, torch.Tensor))
         return {k: _torch_lazy(v, k) for k, v in flat.items()}
     raise WeightsError(f"{path}: unknown weights format (expected .safetensors, .pth, .pt, .bin or .ckpt)")
+
+
+def read_state_dict(path: str) -> dict[str, np.ndarray]:
+    """`open_state_dict(path)` read whole into {key: numpy array}, float16/bfloat16 upcast to float32."""
+    def full(t):
+        a = np.asarray(t[...])
+        return a.astype(np.float32) if a.dtype in (np.float16, ml_dtypes.bfloat16) else a
+
+    return {k: full(v) for k, v in open_state_dict(path).items()}

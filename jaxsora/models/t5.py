@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsora.errors import MissingFile, UnknownKey
+from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import open_state_dict
 from jaxsora.parallel import constraints
 
@@ -318,66 +320,16 @@ def hf_key_map(cfg: T5Config) -> dict[tuple, tuple[str, bool]]:
     return out
 
 
-class CheckpointReader:
-    """Key → numpy for a HF folder: `model.safetensors`, a sharded `model.safetensors.index.json`,
-    or (with torch installed) `pytorch_model.bin` / its index."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-        self.index: dict[str, str] = {}
-        self._open: dict[str, Any] = {}
-        st_index = os.path.join(folder, "model.safetensors.index.json")
-        st_single = os.path.join(folder, "model.safetensors")
-        pt_index = os.path.join(folder, "pytorch_model.bin.index.json")
-        pt_single = os.path.join(folder, "pytorch_model.bin")
-        if os.path.exists(st_index):
-            self._from_index(st_index)
-        elif os.path.exists(st_single):
-            self.index = {k: "model.safetensors" for k in self._file("model.safetensors")}
-        elif os.path.exists(pt_index):
-            self._from_index(pt_index)
-        elif os.path.exists(pt_single):
-            self.index = {k: "pytorch_model.bin" for k in self._file("pytorch_model.bin")}
-        else:
-            raise FileNotFoundError(
-                f"{folder}: no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
-                "or pytorch_model.bin.index.json"
-            )
-
-    def _from_index(self, path: str):
-        with open(path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not weight_map:
-            raise KeyError(f"{path}: no 'weight_map'")
-        for name in sorted(set(weight_map.values())):
-            if not os.path.exists(os.path.join(self.folder, name)):
-                raise FileNotFoundError(f"{path} names shard {name!r}, which is missing from {self.folder}")
-        self.index = dict(weight_map)
-
-    def _file(self, name: str):
-        if name not in self._open:
-            self._open[name] = open_state_dict(os.path.join(self.folder, name))
-        return self._open[name]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.index
-
-    def get(self, key: str) -> np.ndarray:
-        if key not in self.index:
-            raise KeyError(f"{self.folder}: checkpoint has no tensor {key!r}")
-        return self._file(self.index[key])[key][...]
-
-
 def read_hf_config(folder: str) -> T5Config:
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face T5 folder)")
+        raise MissingFile(f"{folder}: no config.json (expected a Hugging Face T5 folder)")
     with open(path) as f:
         d = json.load(f)
     try:
         return T5Config.from_hf(d)
     except KeyError as e:
-        raise KeyError(f"{path}: {e.args[0]}") from None
+        raise UnknownKey(f"{path}: {e.args[0]}") from None
 
 
 def _logical_names(var) -> tuple:
@@ -408,45 +360,33 @@ def load_t5_encoder(
     if (mesh is None) != (rules is None):
         raise ValueError("load_t5_encoder: give both mesh and rules to shard, or neither")
     cfg = read_hf_config(folder)
-    reader = CheckpointReader(folder)
+    sd = open_state_dict(folder)  # model.safetensors, its sharded index, or pytorch_model.bin
     abstract = nnx.eval_shape(lambda: T5EncoderModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
-    graphdef, state = nnx.split(abstract)
     keymap = hf_key_map(cfg)
-    shard = mesh is not None and rules is not None
+    unknown = [p for p, _ in nnx.to_flat_state(nnx.state(abstract)) if p not in keymap]
+    if unknown:  # a bug in hf_key_map, not in the checkpoint
+        raise AssertionError(f"no HF key for parameters {unknown}")
 
-    def fetch(path: tuple, var) -> jax.Array:
-        key, transpose = keymap[path]
-        if key not in reader and key == "shared.weight":
-            key = "encoder.embed_tokens.weight"  # untied copies / encoder-only exports
-        arr = reader.get(key)
-        expected = tuple(var.shape)
-        got = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
-        if got != expected:
-            hf_shape = expected[::-1] if transpose else expected
-            raise ValueError(
-                f"{folder}: tensor {key!r} has shape {tuple(arr.shape)}, expected {hf_shape} from config.json"
-            )
-        arr = np.asarray(arr.T if transpose else arr).astype(np.dtype(param_dtype))
-        if not shard:
-            return jnp.asarray(arr)
+    def key(path: tuple) -> str:
+        k = keymap[path][0]
+        if k == "shared.weight" and k not in sd:
+            return "encoder.embed_tokens.weight"  # untied copies / encoder-only exports
+        return k
+
+    def place(path, var, arr):
         spec = constraints.logical_to_spec(_logical_names(var), rules)
         return jax.device_put(arr, jax.sharding.NamedSharding(mesh, spec))
 
-    flat = nnx.to_flat_state(state)
-    unknown = [p for p, _ in flat if p not in keymap]
-    if unknown:  # a bug in hf_key_map, not in the checkpoint
-        raise AssertionError(f"no HF key for parameters {unknown}")
-    from tqdm import tqdm
-
-    pure = {}
-    # A progress bar for real checkpoints (T5-XXL: 219 tensors, ~19 GB in float32), not tiny ones.
-    for path, var in tqdm(flat, desc=f"loading T5 from {folder}", unit="tensor", disable=len(flat) < 50):
-        node = pure
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = fetch(path, var)
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    model, _ = fill_module(
+        abstract, sd, source=folder, key=key, dtype=param_dtype,
+        file_shape=lambda p, shape: shape[::-1] if keymap[p][1] else shape,
+        to_model=lambda p, a: a.T if keymap[p][1] else a,
+        unexpected="ignore",  # a T5ForConditionalGeneration file also holds the decoder
+        place=place if mesh is not None else None,
+        # A progress bar for real checkpoints (T5-XXL: 219 tensors, ~19 GB in float32), not tiny ones.
+        progress=f"loading T5 from {folder}",
+    )
+    return model
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,9 @@ import numpy as np
 from einops import rearrange, repeat
 from flax import nnx
 
+from jaxsora.errors import MissingFile
+from jaxsora.io.fill import fill_module
+from jaxsora.io.weights import open_state_dict
 from jaxsora.models.layers import Buffer
 from jaxsora.models.vae_layers import (AutoencoderKL, SpatialVAEConfig, TemporalVAE, TemporalVAEConfig,
                                        gaussian_sample, shapes_only_init)
@@ -268,72 +271,11 @@ def _flat_keys(model: nnx.Module) -> Dict[str, Tuple[int, ...]]:
     return {".".join(str(p) for p in path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
 
 
-def _fill(abstract: nnx.Module, tensors: Dict[str, np.ndarray], source: str) -> nnx.Module:
-    """Merge an abstract model (from `nnx.eval_shape`) with a state dict of the same keys/shapes."""
-    graphdef, state = nnx.split(abstract)
-    flat = list(nnx.to_flat_state(state))
-    names = [".".join(str(p) for p in path) for path, _ in flat]
-    missing = [k for k in names if k not in tensors]
-    unexpected = sorted(set(tensors) - set(names))
-    if missing or unexpected:
-        raise KeyError(f"{source}: state dict does not match the model: {len(missing)} missing keys "
-                       f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; {len(unexpected)} unexpected keys "
-                       f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    new = []
-    for name, (path, var) in zip(names, flat):
-        arr = np.asarray(tensors[name])
-        if tuple(arr.shape) != tuple(var.shape):
-            raise ValueError(f"{source}: key {name!r} has shape {tuple(arr.shape)}, the model expects "
-                             f"{tuple(var.shape)}")
-        new.append((path, var.replace(jnp.asarray(arr, jnp.float32))))
-    return nnx.merge(graphdef, nnx.from_flat_state(new))
-
-
-def _to_numpy(t) -> np.ndarray:
-    """numpy / jax / torch tensor -> float32 numpy (torch bf16 goes through float32)."""
-    if hasattr(t, "detach"):  # torch
-        return t.detach().float().cpu().numpy()
-    return np.asarray(t, np.float32)
-
-
-def read_state_dict(path: Union[str, os.PathLike]) -> Dict[str, np.ndarray]:
-    """A state dict from `.safetensors` (no torch), `.pth`/`.pt`/`.bin` (torch, imported here) or a
-    folder holding `model.safetensors`/`diffusion_pytorch_model.safetensors`. Wrappers
-    `{state_dict|model|ema|module: ...}` are unwrapped and a leading `module.` is stripped."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        for name in ("model.safetensors", "diffusion_pytorch_model.safetensors", "pytorch_model.bin",
-                     "diffusion_pytorch_model.bin", "model.pth"):
-            if os.path.isfile(os.path.join(path, name)):
-                return read_state_dict(os.path.join(path, name))
-        raise FileNotFoundError(f"{path}: no model.safetensors / diffusion_pytorch_model.safetensors in the folder")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"VAE checkpoint {path} does not exist")
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        out = {}
-        with safe_open(path, framework="flax") as f:  # flax: bf16 tensors are read as jax arrays
-            for k in f.keys():
-                out[k] = np.asarray(f.get_tensor(k), np.float32)
-        return out
-    if path.endswith((".pth", ".pt", ".bin", ".ckpt")):
-        import torch  # lazily: only .pth-style checkpoints need it
-
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        for wrapper in ("state_dict", "model", "ema", "module"):
-            if isinstance(sd, dict) and wrapper in sd and isinstance(sd[wrapper], dict):
-                sd = sd[wrapper]
-                break
-        return {(k[len("module."):] if k.startswith("module.") else k): _to_numpy(v) for k, v in sd.items()}
-    raise ValueError(f"{path}: unsupported checkpoint format (use .safetensors, .pth/.pt/.bin or a folder)")
-
-
 # diffusers' legacy attention names (old checkpoints) -> current ones; diffusers converts them at load too.
 _LEGACY_ATTN = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
-def _modernize_spatial_keys(sd: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def _modernize_spatial_keys(sd: Mapping[str, Any]) -> Dict[str, Any]:
     out = {}
     for k, v in sd.items():
         parts = k.split(".")
@@ -354,13 +296,13 @@ def load_spatial_vae(folder: Union[str, os.PathLike], dtype="float32") -> Autoen
         folder = os.path.join(folder, "vae")
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{folder}: no config.json (expected a diffusers AutoencoderKL folder)")
+        raise MissingFile(f"{folder}: no config.json (expected a diffusers AutoencoderKL folder)")
     with open(cfg_path) as f:
         config = SpatialVAEConfig.from_diffusers(json.load(f), source=cfg_path)
-    sd = _modernize_spatial_keys(read_state_dict(folder))
+    sd = _modernize_spatial_keys(open_state_dict(folder))
     dt = _as_dtype(dtype)
     abstract = abstract_model(lambda: AutoencoderKL(config, rngs=nnx.Rngs(0), dtype=dt))
-    return _fill(abstract, sd, folder)
+    return fill_module(abstract, sd, source=folder, dtype=np.float32)[0]  # parameters stay float32
 
 
 def load_opensora_vae(path: Union[str, os.PathLike], dtype="float32",
@@ -369,8 +311,7 @@ def load_opensora_vae(path: Union[str, os.PathLike], dtype="float32",
     hpcai-tech/OpenSora-VAE-v1.2) from `.safetensors`, `.pth`/`.bin` or a folder with
     `model.safetensors`. `config` names the architecture (default: the real one); the loaded
     `scale`/`shift` buffers replace the config's values."""
-    sd = read_state_dict(path)
-    sd = {k: v for k, v in sd.items()}
+    sd = open_state_dict(path)
     spatial = {k[len("spatial_vae.module."):]: v for k, v in sd.items() if k.startswith("spatial_vae.module.")}
     spatial = {"spatial_vae.module." + k: v for k, v in _modernize_spatial_keys(spatial).items()}
     sd = {**{k: v for k, v in sd.items() if not k.startswith("spatial_vae.module.")}, **spatial}
@@ -379,7 +320,7 @@ def load_opensora_vae(path: Union[str, os.PathLike], dtype="float32",
         if name in sd:
             cfg = dataclasses.replace(cfg, **{name: tuple(float(v) for v in np.asarray(sd[name]).reshape(-1))})
     abstract = abstract_model(lambda: OpenSoraVAE(cfg, rngs=nnx.Rngs(0)))
-    return _fill(abstract, sd, os.fspath(path))
+    return fill_module(abstract, sd, source=os.fspath(path), dtype=np.float32)[0]
 
 
 def state_dict_shapes(model: nnx.Module) -> Dict[str, Tuple[int, ...]]:
@@ -395,7 +336,7 @@ def to_state_dict(model: nnx.Module) -> Dict[str, np.ndarray]:
 
 def load_state_dict(model: nnx.Module, tensors: Dict[str, np.ndarray], source: str = "state dict") -> nnx.Module:
     """A new model of `model`'s structure holding `tensors` (keys/shapes checked)."""
-    return _fill(model, tensors, source)
+    return fill_module(nnx.clone(model), tensors, source=source, dtype=np.float32)[0]
 
 
 # --------------------------------------------------------------------------------------------
