@@ -10,7 +10,10 @@
 """
 from jaxsora.infer.options import (SampleSettings, append_score_to_prompts, find_nearest_point, get_image_size,
                                    get_num_frames, parse_mask_strategy, place_group)
-from jaxsora.infer.pipeline import Pipeline, build_condition, find_step_dir, prompt_key, write_samples
+from jaxsora.infer.conditioning import build_condition, prompt_key
+from jaxsora.infer.loading import find_step_dir
+from jaxsora.infer.pipeline import Pipeline
+from jaxsora.infer.writing import write_samples
 
 __all__ = ["Pipeline", "SampleSettings", "write_samples", "get_image_size", "get_num_frames", "parse_mask_strategy",
            "find_nearest_point", "place_group", "append_score_to_prompts", "build_condition", "find_step_dir",

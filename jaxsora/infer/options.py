@@ -19,8 +19,6 @@ from jaxsora.errors import BadInput
 IMG_FPS = 120
 # parse_mask_strategy's defaults for the 6 fields: loop_id, ref_id, ref_start, target_start, length, edit_ratio.
 MASK_DEFAULT = ("0", "0", "0", "0", "1", "0")
-# configs/opensora-v1-2/inference/sample.py: align = 5 (latent frames = one 17-frame VAE chunk).
-OPENSORA_ALIGN = 5
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,7 +35,7 @@ class SampleSettings:
     aes/flow/camera_motion: appended to each prompt as " aesthetic score: 6.5." etc. unless the
         prompt has one already (None: nothing appended).
     seed: the noise of each prompt comes from (seed, prompt text, occurrence of that text in the
-        list) only — see `jaxsora.infer.pipeline.prompt_key`.
+        list) only — see `jaxsora.infer.conditioning.prompt_key`.
     reference_path / mask_strategy: one string for every prompt or one per prompt (Open-Sora's
         syntax: paths separated by ";", groups "loop,ref,ref_start,target_start,length,edit" by ";").
     loop / condition_frame_length / condition_frame_edit: video extension by loops, each conditioned

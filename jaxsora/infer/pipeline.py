@@ -4,17 +4,9 @@
     pipe = Pipeline.load("outputs/run", step=None, ema=True, vae=None, text_encoder=None)
     videos = pipe.generate(["a red circle moving right"], SampleSettings(image_size=(32, 32), num_frames=8))
 
-Weights only: the params (or the EMA) and the frozen variables — the checkpoint's `params/` (or
-`ema/`) and `frozen/` items, or those arrays of an older checkpoint's single `state/` item — are
-restored with orbax partial restore straight into their shards (`convert.sharded`) and checked
-against its integrity.json; the optimizer state is never read (a copy without `opt_state/` works).
-
-Seeding: the noise of a prompt depends on (seed, the prompt as given, how many times the same
-prompt came before it in the list) only — not on its position, the batch size or the other
-prompts: key = fold_in(fold_in(key(seed), crc32(prompt) & 0x7fffffff), occurrence); loop i uses
-fold_in(key, i); the initial z is drawn from fold_in(·, 0) and the re-noising of edited frames from
-fold_in(·, 1) (per sample, see `rflow._step_noise`). Open-Sora instead re-seeds 1024 before every
-batch, so its noise depends on the batch.
+Loading (weights only, never the optimizer state): `jaxsora.infer.loading`. Seeding (per prompt,
+independent of batching), references and edit masks: `jaxsora.infer.conditioning`. Writing the
+videos and their sidecars: `jaxsora.infer.writing`. Their public names are importable from here too.
 
 Mesh: prompts are sharded over the batch axes (data × fsdp); each batch has
 `rows = ceil(min(batch_size, #prompts) / dp) · dp` rows (the padding rows repeat the last prompt
@@ -25,12 +17,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import logging
 import os
-import sys
-import zlib
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,237 +26,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxsora.errors import BadInput, MissingFile, WeightsError
+from jaxsora.errors import BadInput
 from jaxsora.infer import options as opt
+from jaxsora.infer.conditioning import (build_condition, cond_pixel_frames, prompt_hash, prompt_key,
+                                        prompt_occurrences, read_reference, vae_align)
+from jaxsora.infer.loading import (CONVERTED_HINT, PipelineError, _read_config, build_components, build_vae,
+                                   find_step_dir, model_config, read_run_config, restore_model, text_encoder_spec,
+                                   vae_spec)
 from jaxsora.infer.options import SampleSettings
+from jaxsora.infer.writing import sample_name, write_samples
 
-CONVERTED_HINT = "pass --vae PATH|identity and --text-encoder PATH|tiny"
-
-
-class PipelineError(BadInput):
-    """A checkpoint / VAE / text encoder combination that cannot sample."""
-
-
-# --------------------------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------------------------
-def find_step_dir(ckpt: str, step: Optional[int] = None) -> str:
-    """A step folder (with weights: `params/`/`ema/`, or the older `state/`) from a run folder, its
-    `checkpoints/`, one step folder, or a converter output. Without `step`: the newest step whose
-    save finished (a new-format step without integrity.json is skipped with a note on stderr)."""
-    from jaxsora.train.checkpoint import INTEGRITY_FILE, checkpoint_steps, has_weights, resolve_checkpoint
-
-    root, chosen = resolve_checkpoint(ckpt, step)
-    steps = [chosen] if chosen is not None else list(reversed(checkpoint_steps(root)))
-    for s in steps:
-        d = os.path.join(root, str(s))
-        if not has_weights(d):
-            if chosen is not None:
-                raise MissingFile(f"{d} holds no weights: no params/ or state/ folder (not a jaxsora checkpoint)")
-            continue
-        if not os.path.exists(os.path.join(d, INTEGRITY_FILE)) and _checkpoint_format(d) is not None:
-            if chosen is not None:
-                raise PipelineError(f"{d}: the save did not finish (no {INTEGRITY_FILE})")
-            print(f"[jaxsora.sample] skipping step {s}: the save did not finish (no {INTEGRITY_FILE})",
-                  file=sys.stderr, flush=True)
-            continue
-        return d
-    raise MissingFile(f"{root} holds no usable checkpoint (no <step>/params or <step>/state folder)")
-
-
-def _checkpoint_format(step_dir: str):
-    try:
-        with open(os.path.join(step_dir, "meta", "metadata")) as f:
-            return json.load(f).get("checkpoint_format")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _read_config(step_dir: str) -> dict:
-    from jaxsora.convert import native
-
-    cfg = native.read_config(step_dir)
-    return cfg.get("config", cfg) if isinstance(cfg, dict) and "model" not in cfg else cfg
-
-
-# --------------------------------------------------------------------------------------------
-# component specs: --vae PATH|identity[:t,h,w]|JSON, --text-encoder PATH|tiny|JSON
-# --------------------------------------------------------------------------------------------
-def _json_spec(spec: str, flag: str) -> dict:
-    try:
-        d = json.loads(spec)
-    except ValueError as e:
-        raise BadInput(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(d, dict) or "kind" not in d:
-        raise BadInput(f"{flag}: a JSON spec must be an object with a 'kind'")
-    return d
-
-
-def vae_spec(spec: Union[None, str, Mapping], run_cfg: Optional[Mapping]) -> dict:
-    """The VAE config group: None = the run config's; "identity" = pixel space (the run config's
-    identity settings when it has them, else no down-sampling), "identity:1,2,2" = with that
-    down-sampling; a JSON object = a config group (`{"kind": "opensora", "path": ..., "config":
-    "tiny"}` picks a VAE architecture preset); anything else = the OpenSora VAE v1.2 weights path."""
-    own = dict(run_cfg.get("vae") or {}) if run_cfg else {}
-    if spec is None:
-        if not own:
-            raise PipelineError(f"the checkpoint has no run config naming a VAE (converted from PyTorch?): "
-                                f"{CONVERTED_HINT}")
-        return own
-    if isinstance(spec, Mapping):
-        return dict(spec)
-    spec = str(spec)
-    if spec.startswith("{"):
-        return _json_spec(spec, "--vae")
-    if spec == "identity" or spec.startswith("identity:"):
-        if spec == "identity":
-            return own if own.get("kind") == "identity" else {"kind": "identity", "downsample": [1, 1, 1]}
-        try:
-            ds = [int(v) for v in spec.split(":", 1)[1].split(",")]
-        except ValueError:
-            ds = []
-        if len(ds) != 3 or min(ds) < 1:
-            raise BadInput(f"--vae {spec!r}: expected identity:T,H,W (down-sampling factors, e.g. identity:1,2,2)")
-        return {"kind": "identity", "downsample": ds}
-    if not os.path.exists(spec):
-        raise MissingFile(f"--vae: no such file or folder {spec!r} (give the OpenSora VAE weights, identity or JSON)")
-    return {"kind": "opensora", "path": spec, "dtype": own.get("dtype", "bfloat16") if own else "bfloat16"}
-
-
-def text_encoder_spec(spec: Union[None, str, Mapping], run_cfg: Optional[Mapping], model_cfg) -> dict:
-    """The text-encoder config group: None = the run config's; "tiny" = the random byte-level
-    encoder (the run config's when it has one, else sized to the model: d_model = its
-    caption_channels, model_max_length = its token count); JSON = a config group; anything else =
-    a Hugging Face T5 folder."""
-    own = dict(run_cfg.get("text_encoder") or {}) if run_cfg else {}
-    if spec is None:
-        if not own:
-            raise PipelineError(f"the checkpoint has no run config naming a text encoder (converted from PyTorch?): "
-                                f"{CONVERTED_HINT}")
-        return own
-    if isinstance(spec, Mapping):
-        return dict(spec)
-    spec = str(spec)
-    if spec.startswith("{"):
-        return _json_spec(spec, "--text-encoder")
-    if spec == "tiny":
-        if own.get("kind") == "tiny":
-            return own
-        return {"kind": "tiny", "d_model": int(model_cfg.caption_channels), "num_heads": 2, "num_layers": 2,
-                "d_ff": 2 * int(model_cfg.caption_channels), "model_max_length": int(model_cfg.model_max_length),
-                "seed": 0}
-    if not os.path.isdir(spec):
-        raise MissingFile(f"--text-encoder: no such folder {spec!r} (give a T5 folder, tiny or JSON)")
-    return {"kind": "t5", "path": spec, "model_max_length": int(model_cfg.model_max_length)}
-
-
-def build_vae(cfg: Mapping):
-    """IdentityVAE or OpenSoraVAE from a config group; `config` (a preset name) picks the
-    OpenSora VAE architecture (default the real one)."""
-    from jaxsora.models import vae as vae_lib
-    from jaxsora.train.build import build_vae_from_config
-
-    cfg = dict(cfg)
-    try:
-        if cfg.get("kind") == "opensora" and cfg.get("config"):
-            if not cfg.get("path"):
-                raise ValueError("vae kind 'opensora' needs 'path' (the OpenSora-VAE-v1.2 weights)")
-            return vae_lib.load_opensora_vae(cfg["path"], dtype=cfg.get("dtype", "float32"), config=cfg["config"])
-        return build_vae_from_config(cfg)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise PipelineError(f"VAE {cfg}: {e}") from None
-
-
-def _build_text_encoder(cfg: Mapping, mesh, rules):
-    from jaxsora.train.build import build_text_encoder_from_config
-
-    try:
-        return build_text_encoder_from_config(cfg, mesh=mesh, rules=rules)
-    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
-        raise PipelineError(f"text encoder {dict(cfg)}: {e}") from None
-
-
-def vae_align(vae) -> int:
-    """Latent frames of one VAE chunk: Open-Sora's align = 5 for its VAE (17 frames → 5), 1 for a
-    VAE without temporal chunks (the pixel-space one)."""
-    cfg = getattr(vae, "config", None)
-    if cfg is not None and getattr(cfg, "micro_frame_size", None):
-        return int(vae.get_latent_size((cfg.micro_frame_size, None, None))[0])
-    return 1
-
-
-def cond_pixel_frames(vae, latent_frames: int) -> int:
-    """Pixel frames covered by `latent_frames` conditioning latents — what the reference's
-    `dframe_to_frame` drops from each later loop (5 → 17 for the OpenSora VAE)."""
-    cfg = getattr(vae, "config", None)
-    if cfg is not None and getattr(cfg, "micro_frame_size", None):
-        chunk = vae_align(vae)
-        if latent_frames % chunk:
-            raise BadInput(f"condition_frame_length must be a multiple of {chunk} latent frames with this VAE "
-                           f"(one {cfg.micro_frame_size}-frame chunk), got {latent_frames}")
-        return latent_frames // chunk * int(cfg.micro_frame_size)
-    return latent_frames * int(getattr(vae, "downsample", (1,))[0])
-
-
-# --------------------------------------------------------------------------------------------
-# seeds
-# --------------------------------------------------------------------------------------------
-def prompt_hash(prompt: str) -> int:
-    return zlib.crc32(prompt.encode("utf-8")) & 0x7FFFFFFF
-
-
-def prompt_occurrences(prompts: Sequence[str]) -> list[int]:
-    """For each prompt, how many times the same string came before it in the list."""
-    seen: dict = collections.Counter()
-    out = []
-    for p in prompts:
-        out.append(seen[p])
-        seen[p] += 1
-    return out
-
-
-def prompt_key(seed: int, prompt: str, occurrence: int = 0) -> jax.Array:
-    """The base key of one prompt (see the module docstring)."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(int(seed)), prompt_hash(prompt)), int(occurrence))
-
-
-# --------------------------------------------------------------------------------------------
-# references
-# --------------------------------------------------------------------------------------------
-def read_reference(path: str, height: int, width: int) -> np.ndarray:
-    """An image or video file → [3, T, H, W] float32 in [-1, 1], resized to cover (H, W) and center
-    cropped (the reference's "resize_crop": bicubic for images, bilinear for video frames)."""
-    from PIL import Image
-
-    from jaxsora.data.video import channels_first, is_video, resize_crop, to_model_range, upright
-
-    if not os.path.isfile(path):
-        raise MissingFile(f"--reference-path: no such file {path!r}")
-    if is_video(path):
-        import av
-
-        try:
-            with av.open(path) as container:
-                frames, rotation = [], 0.0
-                for i, frame in enumerate(container.decode(container.streams.video[0])):
-                    if i == 0:
-                        rotation = float(getattr(frame, "rotation", 0) or 0)
-                    frames.append(frame.to_ndarray(format="rgb24"))
-        except Exception as e:  # noqa: BLE001 — av errors: corrupt, unsupported
-            raise BadInput(f"--reference-path: cannot decode {path}: {e}") from None
-        if not frames:
-            raise BadInput(f"--reference-path: {path} has no frames")
-        arr = resize_crop(upright(np.stack(frames), rotation), height, width)
-    else:
-        from PIL import ImageOps
-
-        try:
-            with Image.open(path) as im:
-                arr = np.asarray(ImageOps.exif_transpose(im).convert("RGB"))[None]
-        except Exception as e:  # noqa: BLE001 — PIL errors
-            raise BadInput(f"--reference-path: cannot read image {path}: {e}") from None
-        arr = resize_crop(arr, height, width, Image.BICUBIC)
-    return to_model_range(channels_first(arr))
+__all__ = ["Pipeline", "PipelineError", "CONVERTED_HINT", "default_mesh", "default_settings", "find_step_dir",
+           "read_run_config", "vae_spec", "text_encoder_spec", "build_vae", "vae_align", "cond_pixel_frames",
+           "prompt_hash", "prompt_occurrences", "prompt_key", "read_reference", "build_condition", "sample_name",
+           "write_samples"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,12 +63,6 @@ def default_settings(run_config: Optional[Mapping] = None, **overrides) -> Sampl
             kw[k] = s[k]
     kw.update(overrides)
     return SampleSettings(**kw)
-
-
-def read_run_config(step_dir: str) -> Optional[dict]:
-    """The run config stored with a checkpoint, or None for a converter output (model only)."""
-    stored = _read_config(step_dir)
-    return stored if isinstance(stored, dict) and ("vae" in stored or "text_encoder" in stored) else None
 
 
 class Pipeline:
@@ -343,24 +108,14 @@ class Pipeline:
         vae / text_encoder: None (the run config's) or a spec (see `vae_spec`, `text_encoder_spec`).
         mesh: default all devices on the data axis. dtype: the model's compute dtype (default the
         checkpoint's; "bfloat16"/"float32"; "bf16"/"fp32" accepted)."""
-        from jaxsora.convert import sharded
-        from jaxsora.models.stdit3 import STDiT3, STDiT3Config
         from jaxsora.parallel.mesh import check_sequence_parallel, logical_rules, sequence_parallel_size
-        from jaxsora.parallel.sharding import tree_shardings
 
         step_dir = find_step_dir(ckpt, step)
         stored = _read_config(step_dir)
         if not isinstance(stored, dict) or "model" not in stored:
             raise PipelineError(f"{step_dir}/config has no 'model' entry (not a jaxsora checkpoint)")
         run_cfg = stored if ("vae" in stored or "text_encoder" in stored) else None
-        fields = STDiT3Config.__dataclass_fields__
-        mcfg = STDiT3Config(**{k: v for k, v in stored["model"].items() if k in fields})
-        mcfg = dataclasses.replace(mcfg, remat="none")
-        if dtype is not None:
-            dt = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
-            if dt not in ("bfloat16", "float32", "float16"):
-                raise BadInput(f"--dtype must be bf16, fp32 or fp16, got {dtype!r}")
-            mcfg = dataclasses.replace(mcfg, compute_dtype=dt)
+        mcfg = model_config(stored["model"], dtype)
         mesh = mesh if mesh is not None else default_mesh()
         rules = logical_rules(mesh)
         check_sequence_parallel(mcfg.num_heads, mesh)
@@ -368,59 +123,8 @@ class Pipeline:
                                    else None)
 
         # Components first (cheap checks before the weights are read).
-        vcfg = vae_spec(vae, run_cfg)
-        tcfg = text_encoder_spec(text_encoder, run_cfg, mcfg)
-        vae_obj = build_vae(vcfg)
-        if int(vae_obj.out_channels) != int(mcfg.in_channels):
-            raise PipelineError(f"the VAE gives {vae_obj.out_channels} latent channels but the model takes "
-                                f"{mcfg.in_channels} (--vae {vcfg.get('kind')}); use the VAE the model was trained "
-                                "with")
-        te = _build_text_encoder(tcfg, mesh, rules)
-        if te.caption_channels != mcfg.caption_channels or te.model_max_length != mcfg.model_max_length:
-            raise PipelineError(f"the text encoder gives {te.model_max_length}×{te.caption_channels} states, the model "
-                                f"takes {mcfg.model_max_length}×{mcfg.caption_channels} (--text-encoder)")
-
-        # The model's structure and each variable's sharding, from a trace of its initialization
-        # (as train.state.plan_state; nothing is allocated).
-        box: dict = {}
-        from jaxsora.models import lora
-
-        # A LoRA run's checkpoint: the base (frozen) and the adapters (params / ema) of the same layers.
-        lora_spec = lora.LoRASpec.from_config((run_cfg or {}).get("lora"))
-
-        def init():
-            m = STDiT3(mcfg, rngs=nnx.Rngs(0))
-            if lora_spec is not None:
-                lora.apply_lora(m, lora_spec)
-            box["graphdef"], st = nnx.split(m)
-            box["shardings"] = tree_shardings(st, mesh, rules)
-            return st
-
-        with jax.set_mesh(mesh):
-            traced = jax.jit(init).trace()
-        graphdef, shardings = box["graphdef"], box["shardings"]
-        abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced.out_info)
-        flat_abs = nnx.to_flat_state(abs_state)
-        flat_sh = dict(nnx.to_flat_state(shardings))
-        targets = {}
-        for path, v in flat_abs:
-            value = v.get_value()
-            sh = flat_sh[path]
-            sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
-            targets[tuple(path)] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sh)
-        weights = "ema" if ema else "params"
-        from jaxsora.train.orbax_errors import quiet_orbax
-
-        with quiet_orbax(logging.ERROR):  # e.g. no _CHECKPOINT_METADATA in a converter output
-            try:
-                loaded = sharded.read_native_weights(step_dir, targets, ema=ema)
-            except WeightsError as e:
-                if not (ema and "no 'ema' entry" in str(e)):
-                    raise
-                print(f"[jaxsora.sample] {step_dir} has no EMA weights; using the params", file=sys.stderr, flush=True)
-                loaded, weights = sharded.read_native_weights(step_dir, targets, ema=False), "params"
-        state = nnx.from_flat_state([(path, v.replace(loaded[tuple(path)])) for path, v in flat_abs])
-        model = nnx.merge(graphdef, state)
+        vcfg, tcfg, vae_obj, te = build_components(vae, text_encoder, run_cfg, mcfg, mesh, rules)
+        model, weights = restore_model(step_dir, mcfg, run_cfg, mesh, rules, ema=ema)
         sched = (run_cfg or {}).get("scheduler") or {}
         step_n = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else 0
         return cls(model, vae_obj, te, mesh, step=step_n, step_dir=step_dir, run_config=run_cfg, weights=weights,
@@ -607,111 +311,3 @@ class Pipeline:
             video = read_reference(path, height, width)
             cache[key] = self.encode_video(video[None])[0]
         return cache[key]
-
-
-def build_condition(strategies: Sequence[str], refs: Sequence[Sequence[np.ndarray]], loop_i: int,
-                    latent_shape: tuple, align: Optional[int]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
-    """The edit mask [B, T] (1 = generate, 0 = keep, between = edit strength) and the reference
-    latents x_cond [B, C, T, h, w] of one loop, as `apply_mask_strategy`; (None, None) when every
-    frame is generated (plain text-to-video: the model then gets no x_mask, which equals all True)."""
-    c, t, h, w = latent_shape
-    b = len(strategies)
-    mask = np.ones((b, t), np.float32)
-    x_cond = np.zeros((b, c, t, h, w), np.float32)
-    for r, ms in enumerate(strategies):
-        for g in opt.parse_mask_strategy(ms):
-            if g.loop_id != loop_i:
-                continue
-            ref = refs[r][g.ref_id]
-            if tuple(ref.shape[2:]) != (h, w):
-                raise BadInput(f"reference {g.ref_id} has latent size {ref.shape[2:]}, the sample {(h, w)}")
-            rs, ts, length = opt.place_group(g, ref.shape[1], t, align)
-            x_cond[r, :, ts:ts + length] = ref[:, rs:rs + length]
-            mask[r, ts:ts + length] = g.edit_ratio
-    if np.all(mask == 1):
-        return None, None
-    return mask, x_cond
-
-
-# --------------------------------------------------------------------------------------------
-# writing
-# --------------------------------------------------------------------------------------------
-def sample_name(index: int, *, prefix: str = "sample", num_sample: int = 1, k: int = 0, prompt: Optional[str] = None
-                ) -> str:
-    """Open-Sora's get_save_path_name: "sample_0003" (or "<prefix>_0003"), "-k" with num_sample > 1;
-    with prompt (prompt_as_path) the prompt itself (made file-safe)."""
-    if prompt is not None:
-        import re
-
-        base = re.sub(r"[^\w\-. ]+", "_", prompt).strip()[:200] or "sample"
-        name = f"{prefix if prefix != 'sample' else ''}{base}"
-    else:
-        name = f"{prefix}_{index:04d}"
-    return f"{name}-{k}" if num_sample != 1 else name
-
-
-def write_samples(videos: Sequence[np.ndarray], prompts: Sequence[str], settings: SampleSettings, save_dir: str,
-                  meta: Optional[dict] = None, *, start_index: int = 0, prefix: str = "sample", num_sample: int = 1,
-                  prompt_as_path: bool = False) -> list[str]:
-    """Write each video (an mp4 at settings.save_fps or fps; one frame: a png) and a JSON sidecar
-    beside it (prompt as given and as fed, seed and noise derivation, every setting, the size
-    written, plus `meta`: checkpoint path and step, ...). Returns the media paths.
-    With num_sample > 1, prompts are taken as num_sample consecutive copies of each prompt (the
-    names get "-k")."""
-    from PIL import Image
-
-    from jaxsora.data.video import write_mp4
-
-    if len(videos) != len(prompts):
-        raise ValueError(f"write_samples: {len(videos)} videos for {len(prompts)} prompts")
-    os.makedirs(save_dir, exist_ok=True)
-    try:
-        res = settings.validate(None)
-    except BadInput:  # a run's custom resolution name: the sidecar still has the size written
-        res = None
-    fps = float(settings.save_fps if settings.save_fps is not None else settings.fps)
-    occ = prompt_occurrences(prompts)
-    written = []
-    for i, (video, prompt) in enumerate(zip(videos, prompts)):
-        video = np.asarray(video)
-        if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
-            raise ValueError(f"write_samples: video {i} must be [T, H, W, 3] uint8, got {video.shape} {video.dtype}")
-        text, _ = opt.extract_json(prompt)
-        k = i % num_sample
-        idx = start_index + i // num_sample
-        name = sample_name(idx, prefix=prefix, num_sample=num_sample, k=k,
-                           prompt=text if prompt_as_path else None)
-        base = os.path.join(save_dir, name)
-        if video.shape[0] == 1:
-            path = base + ".png"
-            Image.fromarray(video[0]).save(path)
-        else:
-            path = write_mp4(video, base + ".mp4", fps)
-        record = {
-            "media": os.path.basename(path),
-            "prompt": prompt,
-            "prompt_fed": opt.prepare_prompt(text, settings.aes, settings.flow, settings.camera_motion),
-            "seed": int(settings.seed),
-            "noise": {"scheme": "fold_in(fold_in(key(seed), crc32(prompt) & 0x7fffffff), occurrence)",
-                      "prompt_crc32": prompt_hash(prompt), "occurrence": occ[i]},
-            "frames": int(video.shape[0]), "height": int(video.shape[1]), "width": int(video.shape[2]),
-            "fps": fps,
-            "settings": settings.to_dict(),
-            **({"requested": {"num_frames": res.num_frames, "height": res.height, "width": res.width}} if res else {}),
-            **(meta or {}),
-        }
-        with open(base + ".json", "w") as f:
-            json.dump(record, f, indent=1, default=_json_default)
-        written.append(path)
-    return written
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, (tuple, set)):
-        return list(o)
-    return str(o)
-

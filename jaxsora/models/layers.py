@@ -410,20 +410,9 @@ def text_lengths(mask: Optional[jax.Array]) -> Optional[jax.Array]:
     return jnp.sum(mask.astype(jnp.int32), axis=-1)
 
 
-def prefix_mask_check(mask: np.ndarray) -> None:
-    """Host-side check that every text mask row is a prefix of ones (what T5 tokenizers give);
-    the attention above relies on it. Raises ValueError naming the first bad row."""
-    mask = np.asarray(mask) != 0
-    lens = mask.sum(-1)
-    expect = np.arange(mask.shape[-1])[None, :] < lens[:, None]
-    bad = np.nonzero((mask != expect).any(-1))[0]
-    if bad.size:
-        raise ValueError(f"text mask row {int(bad[0])} is not a prefix of ones (valid tokens then padding)")
-
-
 __all__ = [
     "Buffer", "SiLU", "RMSNorm", "RotaryEmbedding", "Mlp", "TimestepEmbedder", "PatchEmbed3D",
     "Attention", "MultiHeadCrossAttention", "attention", "layer_norm", "modulate", "sinusoid",
-    "pos_embed_2d", "rope_interleaved", "resolve_attention_impl", "text_lengths", "prefix_mask_check",
+    "pos_embed_2d", "rope_interleaved", "resolve_attention_impl", "text_lengths",
     "constraints",
 ]

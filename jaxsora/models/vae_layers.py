@@ -571,12 +571,3 @@ class TemporalVAE(nnx.Module):
         pad = (4 - num_frames % 4) % 4 frames (VAE_Temporal.decode)."""
         x = self.decoder(self.post_quant_conv(z.astype(self.dtype)))
         return x[:, self.time_padding(int(num_frames)):].astype(jnp.float32)
-
-    # [B, C, T, H, W] conveniences (the reference layout)
-    def encode_mean(self, x: jax.Array) -> jax.Array:
-        """x [B, C, T, H, W] -> posterior mean [B, embed_dim, ceil(T/4), H, W]."""
-        return rearrange(self.moments(rearrange(x, "b c t h w -> b t h w c"))[0], "b t h w c -> b c t h w")
-
-    def decode_ncthw(self, z: jax.Array, num_frames: int) -> jax.Array:
-        """z [B, embed_dim, t, H, W] -> [B, C, num_frames', H, W]."""
-        return rearrange(self.decode(rearrange(z, "b c t h w -> b t h w c"), num_frames), "b t h w c -> b c t h w")
