@@ -144,9 +144,9 @@ def _latents(args, overrides: list[str]) -> Optional[dict]:
             config.data.table = args.table
     if not config.data.get("table"):
         raise BadInput("no table: set data.table in the config or pass --table")
-    from jaxsora.config import _need_table
+    from jaxsora.config import need_table
 
-    _need_table(config.data.table, "data.table (--table)")
+    need_table(config.data.table, "data.table (--table)")
     manifest = precompute_features(config, args.out, shard_size=args.shard_size, batch_size=args.batch_size,
                                    store_dtype=args.store_dtype, workers=args.workers, overwrite=args.overwrite,
                                    progress=not args.no_progress)

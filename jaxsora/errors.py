@@ -46,6 +46,10 @@ class OutputExists(UserError, FileExistsError):
     """The output would overwrite something without being told to."""
 
 
+class ConfigError(UserError, ValueError):
+    """A run config that cannot work (checked before any work: `jaxsora.train.validate`)."""
+
+
 class MissingDependency(UserError, ImportError):
     """An optional extra is needed for what the config asks (wandb, torch, ...)."""
 

@@ -503,6 +503,11 @@ class TextEncoder:
         return self.encode_tokens(ids, mask)[:, None], mask.astype(np.int32)
 
 
+# The tiny random encoder's settings where a config leaves them out — the one place they are set
+# (configs/base.py and the dry run's shapes read them here).
+TINY_DEFAULTS = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, model_max_length=32, seed=0, dtype="float32")
+
+
 def tiny_t5_config(d_model=32, num_layers=2, num_heads=2, d_ff=64, d_kv=None, vocab_size=BYTE_VOCAB_SIZE) -> T5Config:
     return T5Config(
         vocab_size=vocab_size,
@@ -562,13 +567,7 @@ def build_text_encoder(cfg: Mapping[str, Any], *, mesh: Optional[jax.sharding.Me
         extra = set(cfg) - known
         if extra:
             raise ValueError(f"unknown keys for a tiny text encoder: {sorted(extra)}")
-        cfg.setdefault("d_model", 32)
-        cfg.setdefault("num_layers", 2)
-        cfg.setdefault("num_heads", 2)
-        cfg.setdefault("d_ff", 64)
-        cfg.setdefault("model_max_length", 32)
-        cfg.setdefault("seed", 0)
-        cfg.setdefault("dtype", "float32")
+        cfg = {**TINY_DEFAULTS, **cfg}
         tcfg = tiny_t5_config(cfg["d_model"], cfg["num_layers"], cfg["num_heads"], cfg["d_ff"], cfg.get("d_kv"))
         model = T5EncoderModel(tcfg, rngs=nnx.Rngs(int(cfg["seed"])), dtype=jnp.dtype(cfg["dtype"]))
         return TextEncoder(model, ByteTokenizer(cfg["model_max_length"]), cfg)

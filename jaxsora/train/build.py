@@ -159,9 +159,9 @@ def _t5_abstract(cfg: dict):
     from jaxsora.models import t5 as t5_lib
 
     if cfg.get("kind") == "tiny":
-        tcfg = t5_lib.tiny_t5_config(cfg.get("d_model", 32), cfg.get("num_layers", 2), cfg.get("num_heads", 2),
-                                     cfg.get("d_ff", 64), cfg.get("d_kv"))
-        dtype, param_dtype = jnp.dtype(cfg.get("dtype", "float32")), jnp.float32
+        cfg = {**t5_lib.TINY_DEFAULTS, **cfg}
+        tcfg = t5_lib.tiny_t5_config(cfg["d_model"], cfg["num_layers"], cfg["num_heads"], cfg["d_ff"], cfg.get("d_kv"))
+        dtype, param_dtype = jnp.dtype(cfg["dtype"]), jnp.float32
     else:
         path = os.path.join(str(cfg.get("path", "")), "config.json")
         tcfg = t5_lib.read_hf_config(os.path.dirname(path)) if os.path.isfile(path) else t5_lib.T5Config()
@@ -225,7 +225,7 @@ def _feature_encoders(config) -> Encoders:
     """`data.features`: the batches carry latents and text states, so neither the VAE nor T5 is
     loaded; only their shapes are read (the VAE's latent sizes, from its architecture). The
     config's encoders must be those the features were made with — they sample its checkpoints."""
-    from jaxsora.config import ConfigError
+    from jaxsora.errors import ConfigError
     from jaxsora.data.features import FeatureStore
 
     store = FeatureStore(config.data.features)

@@ -167,7 +167,7 @@ def check_config(config) -> None:
     """The eval settings that can be checked before any work (ConfigError naming the problem):
     the table's files and columns, the bucket config (with `data.resolutions`), the cached text
     states a `data.text_cache` run needs."""
-    from jaxsora.config import ConfigError
+    from jaxsora.errors import ConfigError
     from jaxsora.data.buckets import validate_bucket_config
     from jaxsora.data.tables import check_table
 

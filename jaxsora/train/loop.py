@@ -17,11 +17,7 @@ step's log line, before its checkpoint), optionally before the first step (`eval
 starting at step 0) and after the last one (`eval.at_end`); its time is left out of the train
 throughput figures.
 
-The run folder (`_given_run_folder`, `_new_run_folder`): `--run-dir DIR` exactly (refused when DIR
-already holds another run's checkpoints or log, unless `--load` continues that run); with `--load`
-(a folder or an experiment number, `jaxsora.runs.find_run`), the loaded run's own folder; otherwise
-a new numbered folder `<outputs>/<NNN>-<experiment>` (`jaxsora.runs.new_run_dir`), claimed by
-process 0 and broadcast to the other processes.
+The run folder: `train.run_folder` (`--run-dir`, the loaded run's, or a new numbered one).
 """
 from __future__ import annotations
 
@@ -33,9 +29,9 @@ from typing import Optional
 
 import jax
 
-from jaxsora.errors import OutputExists, UserError
-from jaxsora.parallel.sharding import abstract_of
-from jaxsora.train import memory
+from jaxsora.train import memory, run_folder
+from jaxsora.train.memory import EmptyPlanError  # noqa: F401  (re-exported)
+from jaxsora.train.run_folder import new_run_folder as _new_run_folder  # noqa: F401  (tests import it here)
 from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
 from jaxsora.train.step import batch_key, global_batch
@@ -48,10 +44,6 @@ MAX_IN_FLIGHT = 2
 
 class NonFiniteError(RuntimeError):
     """Training stopped after `train.max_nonfinite_steps` rejected steps in a row."""
-
-
-class EmptyPlanError(UserError):
-    """The table gives no full global batch: nothing to train on."""
 
 
 @dataclasses.dataclass
@@ -85,7 +77,7 @@ def _profile_range(spec: Optional[str]) -> Optional[tuple[int, int]]:
     except ValueError:
         a = b = -1
     if not 0 <= a < b:
-        from jaxsora.config import ConfigError
+        from jaxsora.errors import ConfigError
 
         raise ConfigError(f"--profile expects START:STOP step numbers with START < STOP, got {spec!r}")
     return a, b
@@ -94,13 +86,13 @@ def _profile_range(spec: Optional[str]) -> Optional[tuple[int, int]]:
 def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=None) -> dict:
     """Run training (or the dry run); returns a summary dict. `loader_factory(config, dp, text_inputs)`
     and `eval_data_factory(config, setup, outdir)` replace the video loader and the eval data."""
-    from jaxsora.config import validate_config
+    from jaxsora.train.validate import validate_config
 
     if opts.data_path:
         config.data.table = opts.data_path
     if opts.outputs:
         config.train.outputs = opts.outputs
-    opts = _resolve_load_number(config, opts)
+    opts = run_folder.resolve_load_number(config, opts)
     validate_config(config, opts)
     if eval_data_factory is None:
         from jaxsora.train import eval as eval_lib
@@ -108,7 +100,7 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         eval_lib.check_config(config)  # the eval table, buckets and text states, before any work
     profile = _profile_range(opts.profile)
     tcfg = config.train
-    outdir = _given_run_folder(opts)  # None: a new numbered folder, made once the table checked out
+    outdir = run_folder.given_run_folder(opts)  # None: a new numbered folder, made once the table checked out
     # The persistent compilation cache: shared by every experiment under the outputs folder, unless
     # one is already set (JAX_COMPILATION_CACHE_DIR).
     if tcfg.get("compilation_cache", True) and not jax.config.jax_compilation_cache_dir:
@@ -123,7 +115,7 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         with tempfile.TemporaryDirectory(prefix="jaxsora-dry-run-") as scratch:
             indexes = outdir
             if outdir is None:  # a dry run claims no number: its table indexes go to temporary folders
-                outdir, indexes = _next_run_folder(config), scratch
+                outdir, indexes = run_folder.next_run_folder(config), scratch
                 if _is_main():
                     print(f"[jaxsora] dry run: a new run would be written to {outdir}")
             elif not config.data.get("index_dir"):
@@ -138,7 +130,7 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         check_table(config.data.table)
     new = outdir is None
     if new:
-        outdir = _new_run_folder(config)
+        outdir = run_folder.new_run_folder(config)
     if not config.data.get("index_dir"):  # the table index lives with the run and is reused on resume
         config.data.index_dir = os.path.join(outdir, "table_index")
     if _is_main():
@@ -153,12 +145,12 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
         register_stack_dump(outdir, jax.process_index())
         write_heartbeat(outdir, jax.process_index(), None, phase="starting")
         if not new:  # after the lock: a folder that a live run owns is refused naming that run
-            _refuse_another_run(outdir, opts)
+            run_folder.refuse_another_run(outdir, opts)
         setup = setup_run(config)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
         evaluator = _evaluator(setup, outdir, eval_data_factory)
         with jax.set_mesh(setup.mesh):
-            buckets = _compile_plan(setup, loader)
+            buckets = memory.compile_plan(setup, loader)
             if evaluator is not None:
                 evaluator.compile(limit=memory.device_memory_limit(config), threads=memory.compile_threads(config),
                                   check=bool(config.train.get("check_memory", True)), progress=_is_main())
@@ -167,135 +159,6 @@ def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=No
     finally:
         if lock is not None:
             lock.release()
-
-
-# --------------------------------------------------------------------------------------------
-# the run folder
-# --------------------------------------------------------------------------------------------
-def _resolve_load_number(config, opts: RunOptions) -> RunOptions:
-    """`--load 656` (no such path) → the run folder `<outputs>/656-*`; a copy of opts."""
-    if opts.load is None or os.path.exists(opts.load) or not str(opts.load).isdigit():
-        return opts
-    from jaxsora.runs import find_run
-
-    return dataclasses.replace(opts, load=find_run(opts.load, config.train.outputs, what="--load"))
-
-
-def _loaded_run_folder(load: str, step) -> Optional[str]:
-    """The run folder a `--load` path belongs to (the parent of its `checkpoints/` folder), or None
-    for a folder of step folders that is not a run's `checkpoints/`."""
-    from jaxsora.train.checkpoint import resolve_checkpoint
-
-    root, _ = resolve_checkpoint(load, step)
-    return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else None
-
-
-def _given_run_folder(opts: RunOptions) -> Optional[str]:
-    """--run-dir, else the loaded run's folder; None: a new numbered folder."""
-    if opts.run_dir:
-        if os.path.exists(opts.run_dir) and not os.path.isdir(opts.run_dir):
-            raise OutputExists(f"--run-dir {opts.run_dir} is a file, not a folder")
-        return os.path.abspath(os.path.expanduser(opts.run_dir))
-    if opts.load:
-        return _loaded_run_folder(opts.load, opts.step)
-    return None
-
-
-def _existing_run(path: str) -> Optional[str]:
-    """What in a folder shows that a run already wrote there (checkpoints, a metrics log), or None."""
-    from jaxsora.train.checkpoint import checkpoint_steps
-
-    ckpts = os.path.join(path, "checkpoints")
-    steps = checkpoint_steps(ckpts)
-    if steps:
-        return f"checkpoints of steps {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"a checkpoint of step {steps[0]}"
-    if os.path.isdir(ckpts) and os.listdir(ckpts):
-        return "a checkpoints/ folder with unfinished saves"
-    metrics = os.path.join(path, "metrics.jsonl")
-    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-        return "a metrics.jsonl log"
-    return None
-
-
-def _refuse_another_run(outdir: str, opts: RunOptions) -> None:
-    """A given folder that holds a run is written to only by a --load of that very run: never append
-    to another run's metrics.jsonl or step over its checkpoints."""
-    if opts.load:
-        loaded = _loaded_run_folder(opts.load, opts.step)
-        if loaded is not None and os.path.realpath(loaded) == os.path.realpath(outdir):
-            return
-    found = _existing_run(outdir)
-    if found is None:
-        return
-    if opts.load:
-        raise OutputExists(f"--run-dir {outdir} already holds another run ({found}); give a new folder to continue "
-                           f"--load {opts.load} into, or leave --run-dir out to continue in the loaded run's folder")
-    raise OutputExists(f"--run-dir {outdir} already holds a run ({found}); resume it with --load {outdir}, "
-                       f"or give a new folder (without --run-dir a new run gets a new numbered folder)")
-
-
-def _next_run_folder(config) -> str:
-    """The folder a new run would get now (claims nothing: the dry run)."""
-    from jaxsora.runs import next_run_number, run_folder_name
-
-    outputs = os.path.abspath(config.train.outputs)
-    return os.path.join(outputs, run_folder_name(next_run_number(outputs), config.train.get("experiment", "run")))
-
-
-def _new_run_folder(config) -> str:
-    """A new numbered run folder `<outputs>/<NNN>-<experiment>`: process 0 claims the number and
-    makes the folder, the other processes (same config, same filesystem) get the number from it."""
-    from jaxsora.runs import new_run_dir, run_folder_name, run_number
-
-    outputs = os.path.abspath(config.train.outputs)
-    experiment = config.train.get("experiment", "run")
-    if jax.process_count() == 1:
-        return new_run_dir(outputs, experiment)
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    number, error = -1, None
-    if _is_main():
-        try:
-            number = run_number(new_run_dir(outputs, experiment))
-        except Exception as e:  # noqa: BLE001 — raised below, after the others heard of it
-            error = e
-    number = int(multihost_utils.broadcast_one_to_all(np.asarray(number, np.int32)))
-    if error is not None:
-        raise error
-    if number < 0:
-        raise UserError(f"process 0 could not create a new run folder in {outputs} (see its log)")
-    return os.path.join(outputs, run_folder_name(number, experiment))
-
-
-def _compile_plan(setup, loader) -> list:
-    """Compile the step for each bucket shape of the current epoch's plan; refuse a plan with a
-    bucket that does not fit. (A shape first met in a later epoch compiles when it comes.)"""
-    config = setup.config
-    described = loader.describe_plan(loader.epoch)
-    shapes = [(b, gb) for b, n, gb, _ in described if n > 0]
-    if not shapes:
-        rows = getattr(loader, "num_rows", None)
-        if rows == 0:
-            raise EmptyPlanError(f"the table {config.data.get('table')} has no rows")
-        per_bucket = ", ".join(f"{b[0]} {b[1]}f: {r} rows for a global batch of {gb}" for b, _, gb, r in described)
-        raise EmptyPlanError(f"no bucket gets one full global batch from the table {config.data.get('table')} "
-                             f"({per_bucket or 'no row fits any bucket'}); lower the batch sizes or add data "
-                             "(python -m jaxsora.train ... --dry-run shows the plan)")
-    limit = memory.device_memory_limit(config)
-    rows = memory.compile_buckets(setup, shapes, limit=limit, threads=memory.compile_threads(config),
-                                  progress=_is_main())
-    if config.train.get("check_memory", True):
-        msg = memory.refusal(setup, rows)
-        if msg:
-            raise memory.MemoryPlanError(msg)
-    if _is_main() and rows:
-        peak = max(rows, key=lambda r: r.info.peak_bytes)
-        res, t, h, w = peak.bucket
-        print(f"[jaxsora] compiled {len(rows)} bucket shape(s) in {sum(r.info.seconds for r in rows):.1f}s of "
-              f"compile time; largest: {res} {t}×{h}×{w} at {peak.info.peak_bytes / memory.GIB:.2f} GiB per device"
-              + (f" of {limit / memory.GIB:.2f}" if limit else ""))
-    return rows
 
 
 def _evaluator(setup, outdir, factory=None):
@@ -312,18 +175,6 @@ def _bucket_name(bucket) -> str:
     """(res, T, H, W) → "<res>_<T>x<H>x<W>" (the `time/<bucket>` metric names)."""
     res, *size = bucket
     return f"{res}_{'x'.join(str(int(v)) for v in size)}" if res else "x".join(str(int(v)) for v in size)
-
-
-def _compile_late(setup, batch, host):
-    """A bucket shape not in the plan compiled before step 0 (first met in a later epoch)."""
-    spec = abstract_of(batch)
-    info = setup.step.compile(spec, setup.encoders.weights)
-    limit = memory.device_memory_limit(setup.config)
-    if _is_main():
-        print(f"[jaxsora] compiled a new bucket shape {host.get('bucket')} in {info.seconds:.1f}s: "
-              f"{info.peak_bytes / memory.GIB:.2f} GiB per device"
-              + (f" of {limit / memory.GIB:.2f}" + ("" if info.peak_bytes <= limit else " — MAY NOT FIT")
-                 if limit else ""), flush=True)
 
 
 def _initial_state(setup, loader, opts: RunOptions):
@@ -380,7 +231,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
     logger = MetricLogger(config, outdir, resume_id=wandb_id, enabled=_is_main(), peak_flops=peak_flops(config),
                           num_devices=jax.device_count(), total_steps=max_steps, epochs=epochs or None)
     stop = StopRequested(multi_process=jax.process_count() > 1)
-    watchdog = Watchdog(float(tcfg.get("watchdog_factor", 10.0)), float(tcfg.get("watchdog_min_seconds", 300.0)))
+    watchdog = Watchdog(float(tcfg.watchdog_factor), float(tcfg.watchdog_min_seconds))  # defaults: configs/base.py
     ckpt_every = int(tcfg.ckpt_every)
     log_every, max_bad = int(tcfg.get("log_every", 10)), int(tcfg.get("max_nonfinite_steps", 5))
     ecfg = config.get("eval") or {}
@@ -484,7 +335,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
                 watchdog.phase(None)
                 batch = global_batch(host, mesh)
                 if batch_key(batch) not in setup.step.executables:
-                    _compile_late(setup, batch, host)
+                    memory.compile_late(setup, batch, host)
                 watchdog.phase("step")
                 state, metrics = setup.step(state, batch, enc)
                 gb = batch["fps"].shape[0]

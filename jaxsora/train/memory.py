@@ -22,6 +22,10 @@ from jaxsora.train.step import CompileInfo
 GIB = 1 << 30
 
 
+class EmptyPlanError(UserError):
+    """The table gives no full global batch: nothing to train on."""
+
+
 class MemoryPlanError(UserError, ValueError):
     """Some bucket of the plan cannot fit on the device: a user error (batch sizes, remat, mesh)."""
 
@@ -168,3 +172,50 @@ def refusal(setup, rows: Sequence[BucketMemory]) -> Optional[str]:
     lines.append("lower those batch sizes in data.bucket_config (python -m jaxsora.tools.search_bs writes one), "
                  "or use model.remat / a larger mesh.fsdp or mesh.sequence")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# the run's compiles: every bucket of the plan before step 0, a bucket first met later when it comes
+# --------------------------------------------------------------------------------------------
+def compile_plan(setup, loader) -> list:
+    """Compile the step for each bucket shape of the current epoch's plan; refuse a plan with a
+    bucket that does not fit. (A shape first met in a later epoch compiles when it comes.)"""
+    config = setup.config
+    described = loader.describe_plan(loader.epoch)
+    shapes = [(b, gb) for b, n, gb, _ in described if n > 0]
+    if not shapes:
+        rows = getattr(loader, "num_rows", None)
+        if rows == 0:
+            raise EmptyPlanError(f"the table {config.data.get('table')} has no rows")
+        per_bucket = ", ".join(f"{b[0]} {b[1]}f: {r} rows for a global batch of {gb}" for b, _, gb, r in described)
+        raise EmptyPlanError(f"no bucket gets one full global batch from the table {config.data.get('table')} "
+                             f"({per_bucket or 'no row fits any bucket'}); lower the batch sizes or add data "
+                             "(python -m jaxsora.train ... --dry-run shows the plan)")
+    limit = device_memory_limit(config)
+    rows = compile_buckets(setup, shapes, limit=limit, threads=compile_threads(config),
+                                  progress=jax.process_index() == 0)
+    if config.train.get("check_memory", True):
+        msg = refusal(setup, rows)
+        if msg:
+            raise MemoryPlanError(msg)
+    if jax.process_index() == 0 and rows:
+        peak = max(rows, key=lambda r: r.info.peak_bytes)
+        res, t, h, w = peak.bucket
+        print(f"[jaxsora] compiled {len(rows)} bucket shape(s) in {sum(r.info.seconds for r in rows):.1f}s of "
+              f"compile time; largest: {res} {t}×{h}×{w} at {peak.info.peak_bytes / GIB:.2f} GiB per device"
+              + (f" of {limit / GIB:.2f}" if limit else ""))
+    return rows
+
+
+def compile_late(setup, batch, host) -> None:
+    """A bucket shape not in the plan compiled before step 0 (first met in a later epoch)."""
+    from jaxsora.parallel.sharding import abstract_of
+
+    spec = abstract_of(batch)
+    info = setup.step.compile(spec, setup.encoders.weights)
+    limit = device_memory_limit(setup.config)
+    if jax.process_index() == 0:
+        print(f"[jaxsora] compiled a new bucket shape {host.get('bucket')} in {info.seconds:.1f}s: "
+              f"{info.peak_bytes / GIB:.2f} GiB per device"
+              + (f" of {limit / GIB:.2f}" + ("" if info.peak_bytes <= limit else " — MAY NOT FIT")
+                 if limit else ""), flush=True)

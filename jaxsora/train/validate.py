@@ -1,0 +1,328 @@
+"""Checks a run config before any work starts, naming what is wrong.
+
+`ml_collections` already refuses unknown keys and wrong types in `--config.a.b=value` overrides
+(the config is locked); this adds the checks that need to look outside the config: files that
+must exist, mesh sizes, schedules, mask ratios and the bucket table.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from jaxsora.errors import ConfigError, UserError
+
+
+def _need_file(path, what):
+    if not path:
+        raise ConfigError(f"{what} is not set")
+    if not os.path.exists(path):
+        raise ConfigError(f"{what}: no such file or folder: {path}")
+
+
+def need_table(table, what):
+    """A table file, folder, glob of shards or fsspec URL with at least one table file."""
+    if not table:
+        raise ConfigError(f"{what} is not set")
+    from jaxsora.data.tables import TableError, table_files
+
+    try:
+        table_files(str(table))
+    except TableError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+# The documented range of every numeric knob: key → (low, high, note). `low`/`high` are
+# inclusive bounds (None: unbounded); the note says what the ends mean. Checked before any work.
+RANGES = {
+    "train.max_steps": (0, None, "optimizer steps of the run; 0 writes the initial checkpoint only"),
+    "train.ckpt_every": (1, None, "steps between checkpoints"),
+    "train.epochs": (0, None, "epochs of the run (steps per epoch from the bucket plan), max_steps a cap; "
+                              "0: max_steps only"),
+    "train.log_every": (1, None, "steps between console/metrics lines"),
+    "train.keep_ckpts": (0, None, "newest checkpoints kept; 0 keeps all"),
+    "train.max_nonfinite_steps": (1, None, "non-finite steps in a row before the run stops"),
+    "train.max_param_norm_growth": (1.0, None, "an update growing the parameter norm by more is rejected; "
+                                              "0 turns the check off"),
+    "train.watchdog_factor": (1.0, None, "a step or batch wait this many times the median is a stall"),
+    "train.watchdog_min_seconds": (1.0, None, "never report a stall shorter than this"),
+    "train.device_memory_gib": (0.0, None, "0: the device's own limit"),
+    "train.compile_threads": (0, None, "0: min(8, CPUs)"),
+    "train.seed": (0, None, ""),
+    "optim.lr": (0.0, None, "must be > 0"),
+    "optim.warmup_steps": (0, None, ""),
+    "optim.cooldown_steps": (0, None, ""),
+    "optim.min_lr": (0.0, None, ""),
+    "optim.max_lr": (0.0, None, ""),
+    "optim.eps": (0.0, None, "must be > 0"),
+    "optim.weight_decay": (0.0, None, ""),
+    "optim.grad_clip": (0.0, None, "0: no clipping"),
+    "optim.ema_decay": (0.0, 1.0, ""),
+    "data.num_workers": (0, None, "0: decode in the training process"),
+    "data.decode_threads": (1, None, ""),
+    "data.codec_threads": (0, 64, "0: host cores ÷ (workers × read threads), clamped to 1-4"),
+    "data.prefetch": (1, None, ""),
+    "data.frame_interval": (1, None, ""),
+    "data.batch_size_override": (0, None, "0: the bucket config's batch sizes"),
+    "data.seed": (0, None, ""),
+    "model.class_dropout_prob": (0.0, 1.0, ""),
+    "model.remat_blocks": (-1, None, "-1: all block pairs"),
+    "eval.every": (0, None, "steps between validation losses; 0: none during training"),
+    "eval.num_timesteps": (1, None, "fixed timesteps of the validation loss"),
+    "eval.max_batches_per_bucket": (0, None, "0: every row of the eval table"),
+    "eval.seed": (0, 2**31 - 1, ""),
+    "eval.decode_threads": (1, None, ""),
+    "train.peak_flops": (0.0, None, "peak FLOP/s per device for MFU; 0: the device table"),
+    "scheduler.scale": (0.0, None, "must be > 0"),
+    "scheduler.transform_scale": (0.0, None, "must be > 0"),
+    "lora.rank": (0, None, "0: LoRA off"),
+    "lora.alpha": (0.0, None, "must be > 0; scale = alpha / rank"),
+    "lora.dropout": (0.0, 1.0, "on the adapters' input, training only; must be < 1"),
+}
+# Knobs where the low end itself is meaningless (a zero learning rate, eps or scale).
+_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale", "lora.alpha"}
+# 0 is allowed besides the range (an "off" switch).
+_ZERO_MEANS_OFF = {"train.max_param_norm_growth"}
+
+
+def _get(config, key):
+    node = config
+    for part in key.split("."):
+        if part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def check_ranges(config) -> None:
+    """Every numeric knob of RANGES that the config has: a number within its range."""
+    for key, (low, high, note) in RANGES.items():
+        value = _get(config, key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if key in _ZERO_MEANS_OFF and value == 0:
+            continue
+        too_low = low is not None and (value <= low if key in _EXCLUSIVE_LOW else value < low)
+        too_high = high is not None and value > high
+        if too_low or too_high or value != value:  # value != value: NaN
+            lo = "" if low is None else (f"> {low}" if key in _EXCLUSIVE_LOW else f">= {low}")
+            hi = "" if high is None else f"<= {high}"
+            rng = " and ".join(x for x in (lo, hi) if x)
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rng}" + (f" ({note})" if note else ""))
+
+
+def _check_features(config) -> None:
+    """`data.features`: a finished feature cache, and no setting that needs the raw videos."""
+    from jaxsora.data.features import FeatureStore
+
+    _need_file(config.data.features, "data.features")
+    if config.data.get("text_cache"):
+        raise ConfigError("data.features already holds the text states: unset data.text_cache")
+    if "eval" in config and config.eval.get("table"):
+        raise ConfigError("eval.table is raw video, which a data.features run cannot encode (it loads no VAE or T5): "
+                          "unset eval.table, or evaluate the checkpoints in a run without data.features")
+    FeatureStore(config.data.features)  # complete and readable (FeatureCacheError names what is not)
+
+
+def validate_config(config, opts=None) -> None:
+    """Raise ConfigError naming the first problem."""
+    for group in ("model", "vae", "text_encoder", "data", "scheduler", "optim", "mesh", "train"):
+        if group not in config:
+            raise ConfigError(f"config has no '{group}' group")
+    check_ranges(config)
+
+    features = config.data.get("features")
+    if features:
+        _check_features(config)
+    else:
+        need_table(config.data.get("table"), "data.table (--data-path)")
+    dry = bool(opts is not None and opts.dry_run)
+    for group, kind in (("vae", "opensora"), ("text_encoder", "t5")):
+        if config[group].get("kind") == kind and not features:  # a features run loads neither
+            try:
+                _need_file(config[group].get("path"), f"{group}.path")
+            except ConfigError as e:
+                if not dry:
+                    raise
+                print(f"[jaxsora] dry run: {e} (needed to train)", file=sys.stderr)
+    if opts is not None:
+        if getattr(opts, "step", None) is not None and not opts.load:
+            raise ConfigError("--step N picks the checkpoint step of --load DIR; give --load too")
+        if opts.load and opts.ckpt_path:
+            raise ConfigError("give either --load (resume everything) or --ckpt-path (weights only), not both")
+        if opts.start_from_scratch and not opts.load:
+            raise ConfigError("--start-from-scratch only makes sense with --load DIR")
+        for flag, path in (("--load", opts.load), ("--ckpt-path", opts.ckpt_path)):
+            if path and not os.path.exists(path):
+                raise ConfigError(f"{flag}: no such file or folder: {path}")
+        _check_sources(opts)
+
+    for axis in ("data", "fsdp", "sequence"):
+        v = config.mesh.get(axis, 1)
+        if not isinstance(v, int) or (v < 1 and v != -1):
+            raise ConfigError(f"mesh.{axis} must be a positive int or -1, got {v!r}")
+    import jax
+
+    from jaxsora.parallel.mesh import MeshError, mesh_shape
+
+    try:
+        mesh_shape(config.mesh, jax.device_count())
+    except MeshError as e:
+        raise ConfigError(str(e)) from e
+
+    from jaxsora.train.optim import lr_schedule
+
+    try:
+        lr_schedule(config.optim)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"optim: {e}") from e
+
+    betas = tuple(config.optim.get("betas", (0.9, 0.999)))
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas!r}")
+    wcfg = config.get("wandb")
+    if wcfg is not None and wcfg.get("enabled", False):
+        if wcfg.get("mode", "online") not in ("online", "offline", "disabled"):
+            raise ConfigError(f"wandb.mode must be online, offline or disabled, got {wcfg.get('mode')!r}")
+        try:
+            import wandb  # noqa: F401
+        except ImportError as e:
+            from jaxsora.errors import MissingDependency
+
+            raise MissingDependency("wandb.enabled is set but wandb is not installed: pip install 'jaxsora[wandb]' "
+                                    "(or --config.wandb.enabled=False)") from e
+
+    from jaxsora.diffusion.masks import MaskGenerator
+
+    ratios = config.get("mask_ratios")
+    if ratios:
+        try:
+            MaskGenerator(dict(ratios))
+        except ValueError as e:
+            raise ConfigError(f"mask_ratios: {e}") from e
+    method = config.scheduler.get("sample_method", "logit-normal")
+    if method not in ("uniform", "logit-normal"):
+        raise ConfigError(f"scheduler.sample_method must be uniform or logit-normal, got {method!r}")
+
+    from jaxsora.models.presets import available
+
+    if config.model.get("name") not in available():
+        raise ConfigError(f"model.name {config.model.get('name')!r} is not a preset; available: {available()}")
+    from jaxsora.train.build import build_model_config
+
+    try:  # every model field (remat policy, remat_blocks, ...); the encoders fix the channel counts later
+        build_model_config(config.model, in_channels=4, caption_channels=64, model_max_length=8)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from e
+
+    _check_lora(config, opts)
+    load_bucket_config_file(config)
+    from jaxsora.data import buckets
+
+    try:
+        extra = config.data.get("resolutions") or None
+        extra = extra.to_dict() if hasattr(extra, "to_dict") else extra
+        buckets.validate_bucket_config(config.data.bucket_config, extra)
+    except ValueError as e:
+        raise ConfigError(f"data.bucket_config: {e}") from e
+
+
+def _check_lora(config, opts=None) -> None:
+    """The `lora` group: an integer rank, dropout < 1, and targets that select Linear layers of the
+    configured model (checked on its abstract module tree; nothing is allocated). With --load: the
+    same adapters as the checkpoint's (rank, alpha, adapted layers), and its `lora.base` record."""
+    group = config.get("lora")
+    rank = group.get("rank", 0) if group is not None else 0
+    if rank and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise ConfigError(f"lora.rank must be an integer, got {rank!r}")
+    from jaxsora.models import lora
+    from jaxsora.train.build import build_model_config
+
+    mcfg = build_model_config(config.model, in_channels=4, caption_channels=64, model_max_length=8)
+    try:
+        spec = lora.LoRASpec.from_config(group)
+        if spec is not None:
+            lora.check_targets(spec, mcfg)
+    except lora.LoRAError as e:
+        raise ConfigError(str(e)) from None
+    if opts is None or not getattr(opts, "load", None):
+        return
+    saved = _checkpoint_lora(opts.load, getattr(opts, "step", None))
+    if saved is None:
+        return
+    old = None
+    try:
+        old = lora.LoRASpec.from_config(saved)
+        same = (spec is None) == (old is None) and (spec is None or (
+            (spec.rank, spec.alpha) == (old.rank, old.alpha)
+            and lora.check_targets(spec, mcfg) == lora.check_targets(old, mcfg)))
+    except lora.LoRAError:
+        same = False
+    if not same:
+        def show(s):
+            return "no LoRA" if s is None else f"lora rank {s.rank}, alpha {s.alpha:g}, targets {','.join(s.targets)}"
+        raise ConfigError(f"--load {opts.load}: the checkpoint was trained with {show(old)} but the config has "
+                          f"{show(spec)}; resume with the checkpoint's lora settings")
+    if spec is not None and "base" in group and not group.base and saved.get("base"):
+        group.base = saved["base"]  # keep the record of where the base came from across resumes
+
+
+def _checkpoint_lora(load, step) -> dict | None:
+    """The `lora` group of the config of the step --load resumes from (the newest one with a config
+    item, or `step`); None when it cannot be read (restore reports that)."""
+    import json
+
+    from jaxsora.train.checkpoint import CheckpointError, checkpoint_steps, resolve_checkpoint
+
+    try:
+        root, named = resolve_checkpoint(load, step)
+    except CheckpointError:
+        return None
+    for s in ([named] if named is not None else checkpoint_steps(root)[::-1]):
+        try:
+            with open(os.path.join(root, str(s), "config", "metadata")) as f:
+                return dict(json.load(f).get("lora") or {})
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def _check_sources(opts) -> None:
+    """--load / --ckpt-path point at something of the right kind (before anything compiles)."""
+    if opts.load:
+        from jaxsora.train.checkpoint import check_resumable
+
+        check_resumable(opts.load, getattr(opts, "step", None))  # resolves the path; no opt_state → one line
+    if opts.ckpt_path and os.path.isfile(opts.ckpt_path):
+        from jaxsora.io.weights import WEIGHT_EXTS
+
+        if not opts.ckpt_path.endswith(WEIGHT_EXTS):
+            raise ConfigError(f"--ckpt-path {opts.ckpt_path}: unknown weights format (expected a jaxsora checkpoint "
+                              f"folder or one of {', '.join(WEIGHT_EXTS)})")
+    elif opts.ckpt_path:
+        from jaxsora.convert.native import resolve_step_dir
+
+        resolve_step_dir(opts.ckpt_path)
+
+
+def load_bucket_config_file(config) -> None:
+    """`data.bucket_config_file` (a JSON file, e.g. from `python -m jaxsora.tools.search_bs`)
+    replaces `data.bucket_config`."""
+    path = config.data.get("bucket_config_file")
+    if not path:
+        return
+    import json
+
+    import ml_collections
+
+    _need_file(path, "data.bucket_config_file")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"data.bucket_config_file {path}: not JSON ({e})") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"data.bucket_config_file {path}: expected {{resolution: {{frames: [keep_prob, batch]}}}}")
+    with config.unlocked():
+        config.data.bucket_config = ml_collections.ConfigDict(loaded)
