@@ -30,12 +30,12 @@ DEMO ?= outputs/demo
 demo: install
 	@# a fresh demo each time: the trainer refuses to start a new run in a folder that holds one
 	rm -rf $(DEMO)
-	$(VPY) -m data_tools.synthetic --out $(DEMO)/data --preset demo
-	$(VPY) -m data_tools.synthetic --out $(DEMO)/eval --preset demo --num-videos 12 --num-images 4 --seed 1
+	$(VPY) -m data_tools.synthetic --output $(DEMO)/data --preset demo
+	$(VPY) -m data_tools.synthetic --output $(DEMO)/eval --preset demo --num-videos 12 --num-images 4 --seed 1
 	$(VPY) -m jaxsora.train --config configs/demo.py --data-path $(DEMO)/data/meta.csv --run-dir $(DEMO) \
 		--config.eval.table=$(DEMO)/eval/meta.csv
 	$(VPY) -m jaxsora.serve --preset demo --runs $(DEMO) --prompt-path $(DEMO)/data/prompts.txt --once --no-wandb
-	$(VPY) -m jaxsora.sample --ckpt $(DEMO)/checkpoints --ema --out $(DEMO)/samples \
+	$(VPY) -m jaxsora.sample --ckpt $(DEMO)/checkpoints --ema --output $(DEMO)/samples \
 		--prompt-file $(DEMO)/data/prompts.txt
 	$(VPY) -m jaxsora.convert to-torch $(DEMO)/checkpoints $(DEMO)/stdit3_demo_ema.safetensors --ema
 	@echo

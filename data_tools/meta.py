@@ -1,6 +1,6 @@
-"""`python -m data_tools.meta --input X.csv --output Y.csv --num-workers N`: fill the metadata columns.
+"""`python -m data_tools.meta --input X.csv --output Y.csv [--num-workers N]`: fill the metadata columns.
 
-For each row's `path` (relative to the input table's folder, or absolute): num_frames, height,
+For each row's `path` (relative to the table file's folder, or absolute): num_frames, height,
 width, aspect_ratio (= H/W), resolution (= H·W) and fps, read with PyAV (videos: frames counted
 by decoding, as the reference's datautil does; images: PIL, 1 frame, fps NaN — an animated image
 too, which the loader reads as its first frame). Height and width are as displayed: a clip whose
@@ -9,19 +9,31 @@ display matrix turns it a quarter turn (phone clips shot upright: PyAV's `VideoF
 `jaxsora.data.video.load_sample` turns its frames upright. Files that cannot be
 read are listed in `<output>.unreadable.csv` (path and reason) and left out of the output — never
 a crash. Parallel over processes, with a progress bar.
+
+The input may be a folder or glob of shards, written out as one table; it streams (`--chunk-size`
+rows at a time). Relative paths are rewritten to resolve from the output's folder. An existing
+output (or sidecar) is refused unless `--overwrite`.
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
+import contextlib
+import dataclasses
 import math
 import multiprocessing
 import os
 import sys
 
+import numpy as np
 import pandas as pd
 
+from data_tools import stream
 from jaxsora.data.video import is_video, quarter_turns
+from jaxsora.errors import BadInput
+
+PROG = "meta"
+PROBED = ("num_frames", "height", "width", "fps")
+COLUMNS = PROBED + ("aspect_ratio", "resolution")  # the columns meta fills
 
 
 def probe(path: str) -> dict:
@@ -61,46 +73,65 @@ def probe(path: str) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def sidecar_path(output: str) -> str:
+    """Where the unreadable files of `output` are listed."""
+    return output + ".unreadable.csv"
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data_tools.meta", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", required=True, help="table with at least `path` (and usually `text`)")
-    ap.add_argument("--output", required=True)
-    ap.add_argument("--num-workers", type=int, default=os.cpu_count() or 1)
-    args = ap.parse_args(argv)
-    try:
-        df = pd.read_parquet(args.input) if args.input.endswith(".parquet") else pd.read_csv(args.input)
-    except Exception as e:
-        print(f"cannot read table {args.input}: {e}", file=sys.stderr)
-        return 2
-    if "path" not in df.columns:
-        print(f"table {args.input} has no 'path' column (columns: {list(df.columns)})", file=sys.stderr)
-        return 2
-    base = os.path.dirname(os.path.abspath(args.input))
-    paths = [p if os.path.isabs(str(p)) else os.path.join(base, str(p)) for p in df["path"]]
+    ap = stream.parser(PROG, __doc__)
+    ap.add_argument("--input", required=True, help="table with at least `path` (and usually `text`): CSV/parquet "
+                    "file, folder or glob of shards")
+    ap.add_argument("--output", required=True, help="the readable rows with their metadata (.csv or .parquet); "
+                    "the others go to <output>.unreadable.csv")
+    ap.add_argument("--num-workers", type=int, default=os.cpu_count() or 1,
+                    help="processes probing files (default: the number of CPUs, %(default)s here)")
+    args = stream.parse_args(ap, argv)
+    return stream.run(PROG, lambda: _meta(args), argv)
+
+
+def _meta(args) -> int:
+    stream.check_chunk_size(args.chunk_size)
+    if args.num_workers < 1:
+        raise BadInput(f"--num-workers must be ≥ 1, got {args.num_workers}")
+    files = stream.input_files(args.input)
+    stream.require_columns(files, ["path"], "meta (the files it probes)")
+    sidecar = sidecar_path(args.output)
+    for path in (args.output, sidecar):  # both refused before any work
+        stream.check_output(path, args.overwrite)
+    total = sum(stream.count_rows(files, args.chunk_size, progress=not args.no_progress))
+    columns = stream.union_columns(files)
+    columns += [c for c in COLUMNS if c not in columns]
     from tqdm.auto import tqdm
 
-    if args.num_workers > 1:
-        # spawn, not fork: this process has imported JAX, which is multithreaded (fork can deadlock).
-        with cf.ProcessPoolExecutor(args.num_workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-            results = list(tqdm(ex.map(probe, paths, chunksize=8), total=len(paths), desc="meta", unit="file"))
-    else:
-        results = [probe(p) for p in tqdm(paths, desc="meta", unit="file")]
-    bad = [(df["path"][i], r["error"]) for i, r in enumerate(results) if "error" in r]
-    ok = [i for i, r in enumerate(results) if "error" not in r]
-    out = df.iloc[ok].copy()
-    for col in ("num_frames", "height", "width", "fps"):
-        out[col] = [results[i][col] for i in ok]
-    out["aspect_ratio"] = out["height"] / out["width"]
-    out["resolution"] = out["height"] * out["width"]
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)) or ".", exist_ok=True)
-    if args.output.endswith(".parquet"):
-        out.to_parquet(args.output, index=False)
-    else:
-        out.to_csv(args.output, index=False)
-    sidecar = args.output + ".unreadable.csv"
-    pd.DataFrame(bad, columns=["path", "reason"]).to_csv(sidecar, index=False)
-    print(f"{len(out)} rows → {args.output}; {len(bad)} unreadable → {sidecar}")
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(stream.TableWriter(args.output, columns, args.overwrite))
+        bad = stack.enter_context(stream.TableWriter(sidecar, ["path", "reason"], args.overwrite))
+        if args.num_workers > 1:
+            # spawn, not fork: this process has imported JAX, which is multithreaded (fork can deadlock).
+            ex = stack.enter_context(cf.ProcessPoolExecutor(args.num_workers,
+                                                            mp_context=multiprocessing.get_context("spawn")))
+            probe_all = lambda paths: ex.map(probe, paths, chunksize=8)  # noqa: E731
+        else:
+            probe_all = lambda paths: map(probe, paths)  # noqa: E731
+        bar = stack.enter_context(tqdm(total=total, desc=PROG, unit="file", file=sys.stderr,
+                                       disable=args.no_progress, dynamic_ncols=True))
+        for chunk in stream.iter_chunks(files, args.chunk_size, progress=False):
+            results = []
+            for r in probe_all(stream.resolve_paths(chunk.df["path"].tolist(), chunk.base)):
+                results.append(r)
+                bar.update(1)
+            ok = np.array(["error" not in r for r in results], bool)
+            df = chunk.df[ok].copy()
+            for col in PROBED:
+                df[col] = [r[col] for r in results if "error" not in r]
+            df["aspect_ratio"] = df["height"] / df["width"]
+            df["resolution"] = df["height"] * df["width"]
+            out.write(dataclasses.replace(chunk, df=df))
+            unreadable = pd.DataFrame({"path": chunk.df["path"][~ok].tolist(),
+                                       "reason": [r["error"] for r in results if "error" in r]})
+            bad.write(dataclasses.replace(chunk, df=unreadable))
+    print(f"{out.rows} rows → {out.path}; {bad.rows} unreadable → {bad.path}")
     return 0
 
 

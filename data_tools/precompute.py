@@ -26,7 +26,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from jaxsora.errors import BadInput, UnknownKey, MissingFile, OutputExists
+from jaxsora.cli import HelpFormatter
+from jaxsora.errors import BadInput, MissingFile, OutputExists, UnknownKey
 
 
 def load_encoder_config(spec: str) -> dict:
@@ -76,15 +77,15 @@ def read_captions(table: str, column: str = "text") -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--latents", action="store_true",
                    help="a feature cache (VAE latents + text states per clip) from --config, not text states only")
     p.add_argument("--config", default=None, help="with --latents: the training config (.py); "
                    "--config.group.key=value overrides follow it")
-    p.add_argument("--table", default=None, help="CSV or parquet with a caption column (with --latents: "
-                   "replaces the config's data.table)")
+    p.add_argument("--input", "--table", dest="table", default=None, help="CSV or parquet with a caption column "
+                   "(with --latents: replaces the config's data.table)")
     p.add_argument("--text-encoder", default=None, help="JSON, .json or config .py (build_text_encoder config)")
-    p.add_argument("--out", required=True, help="output cache directory")
+    p.add_argument("--output", "--out", dest="out", required=True, help="output cache directory")
     p.add_argument("--num-shards", type=int, default=1, help="text states: ArrayRecord shards")
     p.add_argument("--shard-size", type=int, default=256, help="--latents: rows per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=0,

@@ -29,23 +29,26 @@ import numpy as np
 import pandas as pd
 
 from jaxsora.errors import BadInput, OutputExists, UnknownKey, UserError, run_cli
+from jaxsora.cli import HelpFormatter  # noqa: F401  (the data tools' --help; parser() uses it)
 
 DEFAULT_CHUNK_ROWS = 100_000
 STRING_COLUMNS = ("path", "text")  # never turned into numbers
 
 
 # ---- command line -------------------------------------------------------------------------------
+
+
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A tool's parser; the tool adds its flags, then `parse_args` adds the common ones and parses."""
     return argparse.ArgumentParser(prog=f"python -m data_tools.{prog}", description=doc, allow_abbrev=False,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=HelpFormatter)
 
 
 def parse_args(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]], known: bool = False):
     """Parse with the flags every tool has; `known`: also return the arguments left over."""
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_ROWS, metavar="ROWS",
-                    help=f"rows read and written at a time (default {DEFAULT_CHUNK_ROWS})")
+                    help="rows read and written at a time")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
     return ap.parse_known_args(argv) if known else ap.parse_args(argv)
@@ -104,6 +107,40 @@ def require_columns(files: Sequence[str], columns: Sequence[str], why: str = "")
         if missing:
             what = f" (needed by {why})" if why else ""
             raise UnknownKey(f"table {f} has no column {', '.join(map(repr, missing))}{what}; its columns: {have}")
+
+
+def count_rows(files: Sequence[str], chunk_rows: int = DEFAULT_CHUNK_ROWS, progress: bool = True,
+               desc: str = "counting rows") -> list[int]:
+    """The number of rows of each file: a parquet file's from its metadata, a CSV file's by parsing
+    it (quoted newlines in captions count right), one column at a time."""
+    from tqdm.auto import tqdm
+
+    check_chunk_size(chunk_rows)
+    csv = [f for f in files if not f.endswith(".parquet")]
+    bar = tqdm(total=sum(os.path.getsize(f) for f in csv), desc=desc, unit="B", unit_scale=True, file=sys.stderr,
+               disable=not progress or not csv, dynamic_ncols=True)
+    counts = []
+    try:
+        for f in files:
+            try:
+                if f.endswith(".parquet"):
+                    import pyarrow.parquet as pq
+
+                    counts.append(pq.ParquetFile(f).metadata.num_rows)
+                    continue
+                n, done = 0, bar.n
+                with open(f, "rb") as fh:
+                    for df in pd.read_csv(fh, chunksize=chunk_rows, usecols=[0], dtype=str, keep_default_na=False,
+                                          na_values=[""]):
+                        n += len(df)
+                        bar.update(done + fh.tell() - bar.n)
+                counts.append(n)
+                bar.update(done + os.path.getsize(f) - bar.n)
+            except Exception as e:
+                raise BadInput(f"cannot read table {f}: {type(e).__name__}: {one_line_error(e)}") from e
+    finally:
+        bar.close()
+    return counts
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""`python -m data_tools.synthetic --out DIR`: a small synthetic video dataset, made on the spot.
+"""`python -m data_tools.synthetic --output DIR`: a small synthetic video dataset, made on the spot.
 
 Each clip is a coloured shape (circle, square or bar) moving in one direction over a dark
 background; its caption says which ("a red circle moving right"). Videos are h264 mp4 (PyAV),
@@ -8,7 +8,8 @@ captions to sample with.
 
 Presets: `--preset demo` (the CPU demo: 32×32 clips of 12 frames plus images), `--preset tests`
 (a handful of tiny clips of several sizes, aspect ratios and lengths). Any preset value can be
-overridden (`--num-videos`, `--sizes 32x32,24x40`, `--frames 12,20`, ...).
+overridden (`--num-videos`, `--sizes 32x32,24x40`, `--frames 12,20`, ...). Files already in DIR
+with the same names are replaced.
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
+from data_tools.stream import HelpFormatter
 from jaxsora.data.video import write_mp4
+from jaxsora.errors import BadInput, OutputExists, run_cli
+
+PROG = "data_tools.synthetic"
 
 COLORS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "yellow": (240, 220, 40),
           "white": (245, 245, 245), "magenta": (220, 50, 220)}
@@ -101,26 +106,56 @@ def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: 
 
 
 def _parse_sizes(s: str):
-    return [tuple(int(v) for v in part.lower().split("x")) for part in s.split(",")]
+    try:
+        sizes = [tuple(int(v) for v in part.lower().split("x")) for part in s.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(hw) != 2 or min(hw) < 1 for hw in sizes):
+        raise argparse.ArgumentTypeError(f"expected HxW sizes such as 32x32,24x40, got {s!r}")
+    return sizes
+
+
+def _parse_frames(s: str):
+    try:
+        frames = [int(v) for v in s.split(",")]
+    except ValueError:
+        frames = []
+    if not frames or min(frames) < 1:
+        raise argparse.ArgumentTypeError(f"expected frame counts ≥ 1 such as 12,20, got {s!r}")
+    return frames
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data_tools.synthetic", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="demo")
-    ap.add_argument("--num-videos", type=int)
-    ap.add_argument("--num-images", type=int)
-    ap.add_argument("--sizes", type=_parse_sizes, help="HxW list, e.g. 32x32,24x40")
-    ap.add_argument("--frames", type=lambda s: [int(v) for v in s.split(",")], help="frame counts, e.g. 12,20")
-    ap.add_argument("--fps", type=int)
-    ap.add_argument("--seed", type=int)
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--output", "--out", dest="out", metavar="DIR", required=True,
+                    help="folder for videos/, images/, meta.csv and prompts.txt (made if missing)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="the sizes and counts to start from")
+    ap.add_argument("--num-videos", type=int, help="video clips (default: the preset's)")
+    ap.add_argument("--num-images", type=int, help="still images (default: the preset's)")
+    ap.add_argument("--sizes", type=_parse_sizes, help="HxW list, e.g. 32x32,24x40 (default: the preset's)")
+    ap.add_argument("--frames", type=_parse_frames, help="frame counts, e.g. 12,20 (default: the preset's)")
+    ap.add_argument("--fps", type=int, help="fps of the videos (default: the preset's)")
+    ap.add_argument("--seed", type=int, help="random seed (default: the preset's)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
     args = ap.parse_args(argv)
+    return run_cli(PROG, lambda: _main(args), sys.argv if argv is None else list(argv))
+
+
+def _main(args) -> int:
     kw = dict(PRESETS[args.preset])
     for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed"):
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
-    df = generate(args.out, **kw)
+    for k in ("num_videos", "num_images"):
+        if kw[k] < 0:
+            raise BadInput(f"--{k.replace('_', '-')} must be ≥ 0, got {kw[k]}")
+    if kw["fps"] < 1:
+        raise BadInput(f"--fps must be ≥ 1, got {kw['fps']}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise OutputExists(f"--output {args.out} is a file; name a folder")
+    df = generate(args.out, progress=not args.no_progress, **kw)
     print(f"wrote {len(df)} samples ({int((df.num_frames > 1).sum())} videos, {int((df.num_frames == 1).sum())} "
           f"images) → {os.path.join(args.out, 'meta.csv')}")
     return 0

@@ -1,6 +1,7 @@
 """`python -m jaxsora.ckpt list|verify DIR`: check training checkpoints without a model config.
 
-DIR is a run's outputs folder, its `checkpoints/` folder or one step folder `checkpoints/N`.
+DIR (or `--ckpt DIR`) is a run's outputs folder, its `checkpoints/` folder or one step folder
+`checkpoints/N`.
 Every array of each checkpoint is read on the host (numpy, no accelerator) and its fingerprint is
 compared with the step's `integrity.json` (see `jaxsora.train.checkpoint`).
 
@@ -22,11 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from jaxsora.cli import HelpFormatter as _Help
 
 # The checks run on the host: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 EXIT_OK, EXIT_CORRUPT = 0, 1  # usage errors: 2 (jaxsora.errors.EXIT_USER_ERROR)
+
+
 
 
 def _reports(path: str, step):
@@ -71,17 +75,28 @@ def cmd_verify(args) -> int:
 
 def main(argv=None) -> int:
     """The command's body; a CheckpointError propagates (see `run`)."""
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.ckpt", description=__doc__.split("\n\n")[0],
+    from jaxsora.errors import BadInput
+
+    ap = argparse.ArgumentParser(prog="python -m jaxsora.ckpt", description=__doc__, formatter_class=_Help,
                                  epilog="exit status: 0 all intact, 1 some corrupt or partial (verify), 2 usage error")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn, text in (("list", cmd_list, "table of the checkpoints: step, size, contents, status"),
                            ("verify", cmd_verify, "check every checkpoint; exit 1 if any is corrupt")):
-        p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("dir", help="run outputs folder, its checkpoints/ folder, or a step folder checkpoints/N")
-        p.add_argument("--step", type=int, default=None, help="only this step")
+        p = sub.add_parser(name, help=text, description=text, formatter_class=_Help)
+        p.add_argument("dir", nargs="?", metavar="DIR",
+                       help="run outputs folder, its checkpoints/ folder, or a step folder checkpoints/N")
+        p.add_argument("--ckpt", dest="ckpt_opt", metavar="DIR", help="the same as DIR")
+        p.add_argument("--step", type=int, default=None, help="only this step (default: every step)")
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks instead of one-line errors")
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
+    if args.dir and args.ckpt_opt and os.path.normpath(args.dir) != os.path.normpath(args.ckpt_opt):
+        raise BadInput(f"two checkpoints given ({args.dir} and --ckpt {args.ckpt_opt})")
+    args.dir = args.dir or args.ckpt_opt
+    if not args.dir:
+        raise BadInput(f"give a checkpoint folder: python -m jaxsora.ckpt {args.cmd} DIR")
     return args.fn(args)
 
 

@@ -5,6 +5,7 @@ key, a value of the wrong type — as one line and exit code 2 (`jaxsora.errors`
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Callable, Sequence
@@ -19,6 +20,17 @@ def _config_path(argv):
         if a == "--config" and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` of every argparse command: the description as written, and each flag's default after
+    its help, unless the help says it already or the flag is required."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required:
+            return text
+        return super()._get_help_string(action)
 
 
 def register_configs_package(path):

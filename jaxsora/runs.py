@@ -1,6 +1,7 @@
 """`python -m jaxsora.runs [OUTPUTS]`: the training runs of an outputs folder, one line each.
 
-For every run folder under OUTPUTS (default `outputs/`; a folder with `checkpoints/` or
+For every run folder under OUTPUTS (or `--outputs OUTPUTS`, as `serve` and `cluster preflight` name
+it; default `outputs/`; a folder with `checkpoints/` or
 `metrics.jsonl`): its experiment number (the leading digits of `NNN-name` folders), the config's
 experiment name, whether it is running (its `run.lock` names a live process on this host, or a
 process on another host), the newest logged step and loss, the newest validation loss, the newest
@@ -26,8 +27,11 @@ import sys
 from typing import Optional, Sequence
 
 from jaxsora.errors import BadInput, MissingFile, run_cli
+from jaxsora.cli import HelpFormatter as _Help
 
 PROG = "jaxsora.runs"
+
+
 INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
 CLAIMS_DIR = ".run_numbers"  # <outputs>/.run_numbers/<NNN>: the numbers handed out
 _NUMBERED = re.compile(r"^(\d+)-")
@@ -213,12 +217,17 @@ def format_table(runs: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.runs", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("outputs", nargs="?", default="outputs", help="the outputs folder (default: outputs)")
+    ap = argparse.ArgumentParser(prog="python -m jaxsora.runs", description=__doc__, formatter_class=_Help)
+    ap.add_argument("outputs", nargs="?", default=None, metavar="OUTPUTS",
+                    help="the outputs folder (default: outputs)")
+    ap.add_argument("--outputs", dest="outputs_opt", metavar="OUTPUTS", default=None,
+                    help="the same as OUTPUTS (default: outputs)")
     ap.add_argument("--json", action="store_true", help="one JSON object per run")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
     args = ap.parse_args(argv)
+    if args.outputs and args.outputs_opt and os.path.normpath(args.outputs) != os.path.normpath(args.outputs_opt):
+        raise BadInput(f"two outputs folders given ({args.outputs} and --outputs {args.outputs_opt})")
+    args.outputs = args.outputs or args.outputs_opt or "outputs"
     runs = list_runs(args.outputs)
     if args.json:
         for r in runs:

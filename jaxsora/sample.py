@@ -4,7 +4,7 @@
     python -m jaxsora.sample outputs/demo --prompt "a red circle moving right" --image-size 32 32 --num-frames 8
     python -m jaxsora.sample ckpt/ --vae pretrained_models/OpenSora-VAE-v1.2 \\
         --text-encoder pretrained_models/t5-v1_1-xxl --prompt-path prompts.txt \\
-        --num-frames 4s --resolution 720p --aspect-ratio 9:16 --save-dir samples/
+        --num-frames 4s --resolution 720p --aspect-ratio 9:16 --output samples/
 
 CKPT: a training run folder, its checkpoints/, one step folder, or a `convert from-torch` output
 (which has no run config: then --vae and --text-encoder are required). The run config supplies the
@@ -24,6 +24,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxsora.errors import BadInput, MissingFile, run_cli
+from jaxsora.cli import HelpFormatter as _Help
 
 
 _UNSET = object()  # --aes/--flow not given (None means "append nothing")
@@ -45,12 +46,13 @@ def _score(v: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {v!r}") from None
 
 
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m jaxsora.sample", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
     g = ap.add_argument_group("checkpoint")
     g.add_argument("ckpt", nargs="?", help="run folder, checkpoints/ folder, step folder or converted checkpoint")
-    g.add_argument("--ckpt-path", "--ckpt", dest="ckpt_opt", metavar="CKPT", help="the same as the positional CKPT")
+    g.add_argument("--ckpt", "--ckpt-path", dest="ckpt_opt", metavar="CKPT", help="the same as the positional CKPT")
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     g.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="use the EMA weights when the checkpoint has them (default; --no-ema: the params)")
@@ -86,10 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-fps", type=float, default=None, help="fps of the mp4 (default: --fps)")
 
     g = ap.add_argument_group("sampling")
-    g.add_argument("--num-sampling-steps", "--steps", dest="num_sampling_steps", type=int, default=30)
-    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=7.0)
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--num-sampling-steps", "--steps", dest="num_sampling_steps", type=int, default=30,
+                   help="denoising steps (rectified flow)")
+    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=7.0,
+                   help="classifier-free guidance scale")
+    g.add_argument("--seed", type=int, default=42, help="noise seed (with each prompt's text and repeat count)")
+    g.add_argument("--batch-size", type=int, default=1, help="videos sampled together")
 
     g = ap.add_argument_group("conditioning (image-to-video, extension)")
     g.add_argument("--reference-path", nargs="+", default=None,
@@ -99,16 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(defaults 0,0,0,0,1,0; '0' = first frame from the first reference)")
     g.add_argument("--loop", type=int, default=1, help="clips chained, each on the last frames of the previous one")
     g.add_argument("--condition-frame-length", type=int, default=5, help="latent frames carried over per loop")
-    g.add_argument("--condition-frame-edit", type=float, default=0.0)
+    g.add_argument("--condition-frame-edit", type=float, default=0.0,
+                   help="edit ratio of the frames carried over per loop (0: kept as they are)")
     g.add_argument("--align", type=int, default=None,
                    help="snap mask-strategy starts to multiples of this many latent frames (default: the VAE's "
                         "chunk, 5 for the OpenSora VAE)")
 
     g = ap.add_argument_group("output")
-    g.add_argument("--save-dir", "--out", dest="save_dir", default="./samples/samples/")
+    g.add_argument("--output", "--save-dir", "--out", dest="save_dir", metavar="DIR", default="./samples/samples/",
+                   help="folder the videos and their .json sidecars are written to")
     g.add_argument("--sample-name", default=None, help="file-name prefix (default 'sample')")
     g.add_argument("--prompt-as-path", action="store_true", help="name the files after the prompts")
     g.add_argument("--verbose", type=int, default=1, help="0: quiet, 1: progress bars (default)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars (the other messages stay)")
     g.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     return ap
 
@@ -159,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prompts = read_prompts(args)
     ckpt = args.ckpt_opt or args.ckpt
     if args.ckpt and args.ckpt_opt and args.ckpt != args.ckpt_opt:
-        raise BadInput(f"two checkpoints given ({args.ckpt} and --ckpt-path {args.ckpt_opt})")
+        raise BadInput(f"two checkpoints given ({args.ckpt} and --ckpt {args.ckpt_opt})")
     if not ckpt:
         raise BadInput("give a checkpoint: python -m jaxsora.sample CKPT (a run folder, checkpoints/, a step folder "
                        "or a converted checkpoint)")
@@ -199,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[jaxsora.sample] {pipe.step_dir} (step {pipe.step}, {pipe.weights} weights), "
               f"{len(prompts)} video(s), mesh {dict(mesh.shape)}", file=sys.stderr, flush=True)
     try:
-        videos = pipe.generate(prompts, settings, progress=args.verbose >= 1)
+        videos = pipe.generate(prompts, settings, progress=args.verbose >= 1 and not args.no_progress)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise

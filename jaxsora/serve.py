@@ -37,6 +37,7 @@ from typing import Callable, Optional, Sequence
 
 from jaxsora.errors import BadInput, MissingFile, run_cli
 from jaxsora.runs import find_run
+from jaxsora.cli import HelpFormatter as _Help
 
 PROG = "jaxsora.serve"
 # Lambda speed run scripts/inference-server.py (spec §8.4): resolution × duration × batch size.
@@ -274,21 +275,23 @@ def serve(opts: ServeOptions, *, sampler: Optional[Callable] = None, sink=None, 
         time.sleep(opts.interval)
 
 
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m jaxsora.serve", description=__doc__, formatter_class=_Help)
     ap.add_argument("--preset", required=True, help=f"sampling preset: {', '.join(PRESETS)} or one of --presets-file")
     ap.add_argument("--runs", "--expnums", nargs="+", required=True, help="run folders or experiment numbers")
     ap.add_argument("--outputs", default="outputs", help="where experiment numbers are looked up (default: outputs)")
     ap.add_argument("--prompt-path", help="validation prompts, one a line (default: two built-in prompts)")
-    ap.add_argument("--no-ema", action="store_true", help="sample the trained params instead of the EMA weights")
+    ap.add_argument("--no-ema", action="store_true",
+                    help="sample the trained params instead of the EMA weights (default: the EMA)")
     ap.add_argument("--vae", help="VAE path (default: the run config's)")
     ap.add_argument("--text-encoder", help="text encoder path (default: the run config's)")
     ap.add_argument("--interval", type=float, default=60.0, help="seconds between polls (default 60)")
     ap.add_argument("--once", action="store_true", help="one pass over the runs, then exit")
     ap.add_argument("--no-wandb", action="store_true", help="write the videos only")
     ap.add_argument("--wandb-mode", choices=["online", "offline"], help="default: the run config's wandb.mode")
-    ap.add_argument("--presets-file", help="JSON {name: {setting: value}} with more presets")
+    ap.add_argument("--presets-file", help="JSON {name: {setting: value}} with more presets (default: none)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
     args = ap.parse_args(argv)
     if args.interval <= 0:

@@ -10,9 +10,12 @@ from typing import Optional, Sequence
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import read_hostfile, slurm_hosts
 from jaxsora.errors import UserError, run_cli
+from jaxsora.cli import HelpFormatter as _Help
 
 PROG = "jaxsora.cluster"
 DEFAULT_LOGDIR = os.path.join("logs", "cluster")
+
+
 
 
 def _common(parser: argparse.ArgumentParser, default) -> None:
@@ -23,24 +26,24 @@ def _common(parser: argparse.ArgumentParser, default) -> None:
                         "the coordinator")
     parser.add_argument("--slurm", metavar="JOBID", default=d(None), help="the nodes of this running SLURM job "
                         "(status/stop/dump/preflight), reached with srun --overlap")
-    parser.add_argument("--ssh", default=d(remote.DEFAULT_SSH), help="ssh command (default: %(default)s)")
+    parser.add_argument("--ssh", default=d(remote.DEFAULT_SSH), help=f"ssh command (default: {remote.DEFAULT_SSH})")
     parser.add_argument("--workdir", default=d(None), help="folder to cd to on every host (default: this one)")
     parser.add_argument("--logdir", default=d(None), help=f"per-host logs and pids.json (default: "
                         f"<workdir>/{DEFAULT_LOGDIR})")
-    parser.add_argument("--run", default=d(None), help="the run folder (<outputs>/<NNN>-<experiment> or the trainer's --run-dir): heartbeats, stacks "
-                        "(default: the one given to launch)")
+    parser.add_argument("--run", default=d(None), help="the run folder (<outputs>/<NNN>-<experiment> or the "
+                        "trainer's --run-dir): heartbeats, stacks (default: the one given to launch)")
     parser.add_argument("--timeout", type=float, default=d(30.0), help="seconds to wait for a host (default 30)")
     parser.add_argument("--debug", action="store_true", default=d(False), help="tracebacks for user errors too")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxsora.cluster", description=sys.modules["jaxsora.cluster"].__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=_Help)
     _common(ap, None)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     def add(name, help):
-        p = sub.add_parser(name, help=help)
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
         _common(p, argparse.SUPPRESS)
         return p
 
@@ -52,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="launch even beside GPU processes or a live launch")
     p = add("status", "GPUs (nvidia-smi), trainer, step and heartbeat age of every host")
     p.add_argument("--json", action="store_true", help="one JSON object per host")
-    p.add_argument("--stale", type=float, default=900.0, help="warn about heartbeats older than this (s)")
+    p.add_argument("--stale", type=float, default=900.0, help="warn about heartbeats older than this many seconds")
     p = add("stop", "SIGTERM the recorded trainers, SIGKILL after --grace")
     p.add_argument("--grace", type=float, default=180.0, help="seconds between TERM and KILL (default 180: "
                    "time to save a checkpoint)")
@@ -60,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=5.0, help="seconds to wait for the stacks (default 5)")
     p.add_argument("--lines", type=int, default=40, help="lines of each host's dump to print (default 40)")
     p = add("preflight", "clock skew, free disk, versions, coordinator port, shared outputs")
-    p.add_argument("--port", type=int, default=12355)
+    p.add_argument("--port", type=int, default=12355, help="coordinator port to check (default 12355)")
     p.add_argument("--coordinator", help="coordinator address (default: the first host)")
-    p.add_argument("--outputs", default="outputs", help="the outputs folder, relative to --workdir")
+    p.add_argument("--outputs", default="outputs", help="the outputs folder, relative to --workdir (default: outputs)")
     p.add_argument("--python", default="python", help="python that runs jaxsora on the hosts (default: python)")
     p.add_argument("--max-skew", type=float, default=0.5, help="seconds a host's clock may be off (default 0.5)")
     p.add_argument("--min-free-gb", type=float, default=50.0, help="free space needed under outputs (default 50)")

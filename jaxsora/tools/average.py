@@ -648,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
                  epilog="exit status: 0 written, 2 a usage mistake or an unusable input")
     ap.add_argument("ckpt", nargs="+",
                     help="step folders (…/checkpoints/600), or run / checkpoints folders with --steps")
-    ap.add_argument("--out", required=True, help="output folder: the average is written to OUT/<step>/")
+    ap.add_argument("--output", "--out", dest="out", required=True,
+                    help="output folder: the average is written to OUT/<step>/")
     ap.add_argument("--steps", default=None, help="steps of each run / checkpoints folder, e.g. 400,500,600")
     ap.add_argument("--weights", default=None,
                     help="one non-negative weight per checkpoint, e.g. 0.2,0.3,0.5 (normalized; default uniform)")

@@ -1,4 +1,4 @@
-"""`python -m jaxsora.tools.lora {merge,export-adapters} --ckpt CKPT --out OUT [--step N] [--ema]
+"""`python -m jaxsora.tools.lora {merge,export-adapters} --ckpt CKPT --output OUT [--step N] [--ema]
 [--dtype fp32|bf16]`: the results of a LoRA run (`lora.rank` > 0) as files other tools read.
 
 CKPT is a run folder, its `checkpoints/` folder or one step folder (`--step N` picks a step of the
@@ -17,9 +17,9 @@ export-adapters   the adapters alone, peft's layout: `<module>.lora_A.weight` [r
                   `spatial_blocks.0.attn.qkv`), to OUT.safetensors (or .pth); the safetensors
                   metadata records rank, alpha, scale, the target patterns and the adapted modules.
 
-OUT must not exist (a folder may exist empty). Host only (no accelerator is taken); the
-checkpoint's arrays are checked against its integrity record when it has one. A mistake is one
-line on stderr and exit code 2.
+OUT (`--output`, or its older spelling `--out`) must not exist (a folder may exist empty). Host
+only (no accelerator is taken); the checkpoint's arrays are checked against its integrity record
+when it has one. A mistake is one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
+from jaxsora.cli import HelpFormatter as _Help
 
 PROG = "jaxsora.tools.lora"
 TORCH_OUT = (".safetensors", ".pth", ".pt")
@@ -43,16 +44,19 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(f"{message} (see --help)")
 
 
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=f"python -m {PROG}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog=f"python -m {PROG}", description=__doc__, formatter_class=_Help)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     for name, help_ in (("merge", "adapters merged into the base: a jaxsora checkpoint folder or an Open-Sora "
                                   "state dict (.safetensors/.pth)"),
                         ("export-adapters", "the adapters alone, peft layout (lora_A [r, din], lora_B [dout, r])")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=_Help)
         p.add_argument("--ckpt", required=True, help="a LoRA run folder, its checkpoints/ folder or one step folder")
-        p.add_argument("--out", required=True, help=("OUT folder (jaxsora checkpoint) or OUT.safetensors/.pth"
-                                                     if name == "merge" else "OUT.safetensors (or .pth)"))
+        p.add_argument("--output", "--out", dest="out", metavar="OUT", required=True,
+                       help=("OUT folder (jaxsora checkpoint) or OUT.safetensors/.pth" if name == "merge"
+                             else "OUT.safetensors (or .pth)"))
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
         p.add_argument("--ema", action="store_true", help="use the EMA of the adapters")
         p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
@@ -101,14 +105,14 @@ def read_lora_checkpoint(path: str, *, step: Optional[int] = None, ema: bool = F
 def _check_out(out: str, kinds: Sequence[str]) -> None:
     if out.endswith(TORCH_OUT):
         if not any(out.endswith(k) for k in kinds):
-            raise BadInput(f"--out {out}: expected one of {', '.join(kinds)}")
+            raise BadInput(f"--output {out}: expected one of {', '.join(kinds)}")
         if os.path.exists(out):
-            raise OutputExists(f"--out {out} exists: give a new file name")
+            raise OutputExists(f"--output {out} exists: give a new file name")
         return
     if ".folder" not in kinds:
-        raise BadInput(f"--out {out}: expected a file ending in {', '.join(k for k in kinds if k != '.folder')}")
+        raise BadInput(f"--output {out}: expected a file ending in {', '.join(k for k in kinds if k != '.folder')}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise OutputExists(f"--out {out} exists and is not an empty folder: give a new folder")
+        raise OutputExists(f"--output {out} exists and is not an empty folder: give a new folder")
 
 
 def _torch_dtype(name: str):

@@ -1,5 +1,5 @@
 """`python -m jaxsora.tools.search_bs --config configs/stage1.py [--config.k=v ...] [--data-path T]
-[--fraction 0.9] [--out bucket_config.json]`: the largest per-device batch of every bucket that fits
+[--fraction 0.9] [--output bucket_config.json]`: the largest per-device batch of every bucket that fits
 in a fraction of the device memory, found by compiling the real train step (the config's model,
 remat policy, mesh and encoders) — not by trial steps until out-of-memory, as Open-Sora's
 `search_bs.py` does. Compiles of different buckets run side by side.
@@ -12,6 +12,7 @@ config; the output JSON is a `data.bucket_config` — train with
 
 The device memory is the device's own, or `--config.train.device_memory_gib` (e.g. 80 to plan for
 an H100 from a CPU machine with `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
+`--out` is an alias of `--output`; `--no-progress` hides the progress bar.
 """
 from __future__ import annotations
 
@@ -91,8 +92,10 @@ def _define_flags():
 
     flags.DEFINE_string("data_path", None, "dataset table: search the aspect ratios its plan uses")
     flags.DEFINE_float("fraction", 0.9, "fraction of the device memory a step may use")
-    flags.DEFINE_string("out", "bucket_config.json", "where to write the bucket config (JSON)")
+    flags.DEFINE_string("output", "bucket_config.json", "where to write the bucket config (JSON)")
+    flags.DEFINE_alias("out", "output")
     flags.DEFINE_integer("max_batch", None, "never search above this per-device batch")
+    flags.DEFINE_bool("no_progress", False, "no progress bar")
 
 
 def _body() -> int:
@@ -106,18 +109,18 @@ def _body() -> int:
         config.data.table = FLAGS.data_path
     if not 0 < FLAGS.fraction <= 1:
         raise ConfigError(f"--fraction must lie in (0, 1], got {FLAGS.fraction}")
-    result = search(config, fraction=FLAGS.fraction, max_batch=FLAGS.max_batch)
+    result = search(config, fraction=FLAGS.fraction, max_batch=FLAGS.max_batch, progress=not FLAGS.no_progress)
     print(format_rows(result))
-    with open(FLAGS.out, "w") as f:
+    with open(FLAGS.output, "w") as f:
         json.dump(result["bucket_config"], f, indent=1)
-    print(f"wrote {FLAGS.out}: train with --config.data.bucket_config_file={FLAGS.out}")
+    print(f"wrote {FLAGS.output}: train with --config.data.bucket_config_file={FLAGS.output}")
     return 0
 
 
 def main():
     from jaxsora.cli import config_app
 
-    config_app("jaxsora.tools.search_bs", _define_flags, _body, dashed=("--data-path", "--max-batch"))
+    config_app("jaxsora.tools.search_bs", _define_flags, _body, dashed=("--data-path", "--max-batch", "--no-progress"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxsora.errors import ConfigError, UserError
+from jaxsora.errors import ConfigError
 
 
 def _need_file(path, what):
