@@ -19,9 +19,11 @@ $(STAMP): $(VPY) pyproject.toml
 
 install: $(STAMP)
 
-test: install
+test: install lint
 	$(VPY) -m pytest tests
 
+# ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade, simplify; pyproject.toml): make test
+# runs it first, so CI does too
 lint: install
 	$(VPY) -m ruff check jaxsora data_tools bench tests configs
 

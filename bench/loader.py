@@ -264,7 +264,7 @@ def grain_rows(sources: list[dict], args, t: int) -> list[tuple[str, float]]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--res", default="720p,1080p", help="generated source sizes (%s)" % ",".join(RESOLUTIONS))
+    ap.add_argument("--res", default="720p,1080p", help="generated source sizes ({})".format(",".join(RESOLUTIONS)))
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--fps", type=int, default=30)
     ap.add_argument("--gop", type=int, default=60, help="frames between keyframes (60: 2 s at 30 fps)")

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 def compile_variant(model: str, latent, batch: int, dtype: str, remat: str, scan: bool, overrides: dict):
 
     import step as bench_step
+
     from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.parallel.sharding import abstract_of
     from jaxsora.train.optim import lr_schedule, make_optimizer

@@ -79,7 +79,7 @@ def get_config():
         frame_interval=1,
         num_workers=8,                  # grain worker processes decoding batches (0: in the train process)
         decode_threads=1,               # grain read threads per process (batches decoded side by side)
-        codec_threads=0,                # FFmpeg decoder threads per sample (0: host cores ÷ (workers × read threads), 1-4)
+        codec_threads=0,                # FFmpeg threads per sample (0: host cores ÷ (workers × read threads), 1-4)
         prefetch=2,                     # batches buffered ahead, per worker
         index_dir="",                   # table index folder ("": <run>/table_index); reused while unchanged
         seed=42,

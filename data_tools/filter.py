@@ -26,7 +26,6 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Optional
 
 import numpy as np
 
@@ -52,8 +51,8 @@ RANGES = (
 class Criterion:
     name: str  # how the report names it
     column: str
-    lo: Optional[float]
-    hi: Optional[float]
+    lo: float | None
+    hi: float | None
     words: bool = False  # count the words of a text column instead of reading a number
     removed: int = 0
 
@@ -76,7 +75,7 @@ class Criterion:
         return f"{self.name} in [{lo}, {hi}]"
 
 
-def _parse_range(spec: str) -> tuple[str, Optional[float], Optional[float]]:
+def _parse_range(spec: str) -> tuple[str, float | None, float | None]:
     column, sep, bounds = spec.rpartition("=")
     lo, colon, hi = bounds.partition(":")
     if not sep or not column or not colon:

@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
 
 import numpy as np
 
@@ -68,8 +67,8 @@ def _prepare_dir(out: str, plan_doc: dict, overwrite: bool) -> None:
 
 
 def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZE, batch_size: int = 0,
-                        store_dtype: Optional[str] = None, workers: int = 8, overwrite: bool = False,
-                        progress: bool = True, stop_after_shards: Optional[int] = None) -> Optional[dict]:
+                        store_dtype: str | None = None, workers: int = 8, overwrite: bool = False,
+                        progress: bool = True, stop_after_shards: int | None = None) -> dict | None:
     """Encode `config.data.table` into `out`. Returns the manifest (None on processes other than 0,
     or when `stop_after_shards` — a test's stand-in for an interruption — ended the run early).
 

@@ -24,7 +24,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from jaxsora.cli import HelpFormatter
 from jaxsora.errors import BadInput, MissingFile, OutputExists, UnknownKey
@@ -75,7 +75,7 @@ def read_captions(table: str, column: str = "text") -> list[str]:
     return texts
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--latents", action="store_true",
@@ -133,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     return manifest
 
 
-def _latents(args, overrides: list[str]) -> Optional[dict]:
+def _latents(args, overrides: list[str]) -> dict | None:
     from data_tools.latents import precompute_features
     from data_tools.stats import load_config
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+
 import numpy as np
 
 from data_tools import stream

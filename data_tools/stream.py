@@ -18,18 +18,19 @@ the output and renamed into place at the end: a failed run leaves no half-writte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
 import sys
 import tempfile
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
-from jaxsora.errors import BadInput, OutputExists, UnknownKey, UserError, run_cli
 from jaxsora.cli import HelpFormatter  # noqa: F401  (the data tools' --help; parser() uses it)
+from jaxsora.errors import BadInput, OutputExists, UnknownKey, UserError, run_cli
 
 DEFAULT_CHUNK_ROWS = 100_000
 STRING_COLUMNS = ("path", "text")  # never turned into numbers
@@ -44,7 +45,7 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
                                    formatter_class=HelpFormatter)
 
 
-def parse_args(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]], known: bool = False):
+def parse_args(ap: argparse.ArgumentParser, argv: Sequence[str] | None, known: bool = False):
     """Parse with the flags every tool has; `known`: also return the arguments left over."""
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_ROWS, metavar="ROWS",
@@ -54,7 +55,7 @@ def parse_args(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]], known
     return ap.parse_known_args(argv) if known else ap.parse_args(argv)
 
 
-def run(prog: str, body: Callable[[], int], argv: Optional[Sequence[str]]) -> int:
+def run(prog: str, body: Callable[[], int], argv: Sequence[str] | None) -> int:
     """A tool's body under `run_cli`: a user error is one line on stderr and exit code 2."""
     return run_cli(f"data_tools.{prog}", body, sys.argv if argv is None else list(argv))
 
@@ -157,7 +158,7 @@ def one_line_error(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def iter_chunks(files: Sequence[str], chunk_rows: int = DEFAULT_CHUNK_ROWS, columns: Optional[Sequence[str]] = None,
+def iter_chunks(files: Sequence[str], chunk_rows: int = DEFAULT_CHUNK_ROWS, columns: Sequence[str] | None = None,
                 desc: str = "reading", progress: bool = True) -> Iterator[Chunk]:
     """The rows of the files, `chunk_rows` at a time (a chunk never spans two files). `columns`: read
     only these (each file must have them). Progress: one bar over the bytes of all files."""
@@ -187,7 +188,7 @@ def iter_chunks(files: Sequence[str], chunk_rows: int = DEFAULT_CHUNK_ROWS, colu
         bar.close()
 
 
-def _file_chunks(path: str, chunk_rows: int, columns: Optional[Sequence[str]]):
+def _file_chunks(path: str, chunk_rows: int, columns: Sequence[str] | None):
     """(DataFrame, fraction of the file read so far) per chunk of one file."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -260,7 +261,7 @@ class TableWriter:
         self._parts: list[str] = []
         self._csv = None
         if not self.parquet:
-            self._csv = open(os.path.join(self._tmp, name), "w", newline="", encoding="utf-8")
+            self._csv = open(os.path.join(self._tmp, name), "w", newline="", encoding="utf-8")  # noqa: SIM115 (closed in close())
             pd.DataFrame(columns=self.columns).to_csv(self._csv, index=False)
 
     def __enter__(self):
@@ -273,7 +274,7 @@ class TableWriter:
             self.abort()
         return False
 
-    def write(self, chunk: Chunk, rows: Optional[np.ndarray] = None) -> None:
+    def write(self, chunk: Chunk, rows: np.ndarray | None = None) -> None:
         """The chunk's rows (all, or those of a boolean mask / index array), paths re-rooted here."""
         df = chunk.df if rows is None else chunk.df[rows] if np.asarray(rows).dtype == bool else chunk.df.iloc[rows]
         if not len(df):
@@ -340,10 +341,8 @@ def _numbers_from_text(df: pd.DataFrame) -> pd.DataFrame:
     for c in df.columns:
         if c in STRING_COLUMNS or df[c].isna().all():
             continue
-        try:
+        with contextlib.suppress(ValueError, TypeError):
             df[c] = pd.to_numeric(df[c])
-        except (ValueError, TypeError):
-            pass
     return df
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
 from jaxsora.cli import HelpFormatter as _Help
 
 # The checks run on the host: never take an accelerator (a training job may hold it).

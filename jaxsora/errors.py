@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 EXIT_USER_ERROR = 2  # argparse's and absl's code for a usage error
 
@@ -63,7 +63,7 @@ def debug_requested(argv: Sequence[str]) -> bool:
     return "--debug" in argv or os.environ.get("JAXSORA_DEBUG", "") not in ("", "0")
 
 
-def fail(prog: str, msg: str) -> "NoReturn":  # noqa: F821
+def fail(prog: str, msg: str) -> NoReturn:  # noqa: F821
     """Print `prog: msg` as one line on stderr and exit with code 2."""
     print(f"{prog}: {one_line(msg)}", file=sys.stderr, flush=True)
     sys.exit(EXIT_USER_ERROR)

@@ -24,10 +24,10 @@ import os
 import re
 import socket
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
-from jaxsora.errors import BadInput, MissingFile, run_cli
 from jaxsora.cli import HelpFormatter as _Help
+from jaxsora.errors import BadInput, MissingFile, run_cli
 
 PROG = "jaxsora.runs"
 
@@ -40,7 +40,7 @@ _NUMBERED = re.compile(r"^(\d+)-")
 # --------------------------------------------------------------------------------------------
 # experiment numbers
 # --------------------------------------------------------------------------------------------
-def run_number(name: str) -> Optional[int]:
+def run_number(name: str) -> int | None:
     """The experiment number of a run folder's name (`656-stdit3-xl2` → 656), or None."""
     m = _NUMBERED.match(os.path.basename(os.path.normpath(str(name))))
     return int(m.group(1)) if m else None
@@ -127,7 +127,7 @@ def find_run(spec, outputs: str, what: str = "run") -> str:
     raise MissingFile(f"{what} {spec}: no run numbered {spec} in {outputs} ({there})")
 
 
-def _last_json_line(path: str) -> Optional[dict]:
+def _last_json_line(path: str) -> dict | None:
     """The last complete JSON line of a jsonl file (reads its tail only)."""
     try:
         with open(path, "rb") as f:
@@ -216,7 +216,7 @@ def format_table(runs: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxsora.runs", description=__doc__, formatter_class=_Help)
     ap.add_argument("outputs", nargs="?", default=None, metavar="OUTPUTS",
                     help="the outputs folder (default: outputs)")

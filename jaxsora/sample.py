@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
-from jaxsora.errors import BadInput, MissingFile, run_cli
 from jaxsora.cli import HelpFormatter as _Help
-
+from jaxsora.errors import BadInput, MissingFile, run_cli
 
 _UNSET = object()  # --aes/--flow not given (None means "append nothing")
 
@@ -133,7 +132,7 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def make_settings(args, run_config: Optional[dict]):
+def make_settings(args, run_config: dict | None):
     """SampleSettings from the flags; what is not given comes from the run config's `sample`
     section (size, frames, fps, aes/flow) or Open-Sora's defaults."""
     from jaxsora.infer.pipeline import default_settings
@@ -161,7 +160,7 @@ def make_settings(args, run_config: Optional[dict]):
     return default_settings(run_config, **kw)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
     ckpt = args.ckpt_opt or args.ckpt

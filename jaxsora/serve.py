@@ -33,11 +33,11 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
+from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.errors import BadInput, MissingFile, run_cli
 from jaxsora.runs import find_run
-from jaxsora.cli import HelpFormatter as _Help
 
 PROG = "jaxsora.serve"
 # Lambda speed run scripts/inference-server.py (spec §8.4): resolution × duration × batch size.
@@ -132,11 +132,11 @@ class ServeState:
 class WandbSink:
     """Logs a checkpoint's videos into the training's own wandb run (resumed by id)."""
 
-    def __init__(self, mode: Optional[str] = None):
+    def __init__(self, mode: str | None = None):
         self.mode = mode
 
     def log(self, run_dir: str, meta: dict, preset: str, step: int, paths: Sequence[str],
-            prompts: Sequence[str]) -> Optional[str]:
+            prompts: Sequence[str]) -> str | None:
         wandb_id = meta.get("meta", {}).get("wandb_id")
         wcfg = meta.get("config", {}).get("wandb", {}) or {}
         if not wandb_id:
@@ -165,16 +165,16 @@ class ServeOptions:
     preset: str
     runs: list
     outputs: str = "outputs"
-    prompts: Optional[list] = None  # default: the run's data folder prompts.txt, else built-in
+    prompts: list | None = None  # default: the run's data folder prompts.txt, else built-in
     ema: bool = True
-    vae: Optional[str] = None
-    text_encoder: Optional[str] = None
+    vae: str | None = None
+    text_encoder: str | None = None
     interval: float = 60.0
     once: bool = False
     wandb: bool = True
-    wandb_mode: Optional[str] = None
-    presets_file: Optional[str] = None
-    max_polls: Optional[int] = None  # tests: stop after this many passes
+    wandb_mode: str | None = None
+    presets_file: str | None = None
+    max_polls: int | None = None  # tests: stop after this many passes
 
 
 # Default validation prompts (the Lambda server reads ./samples/prompts.txt; give --prompt-path).
@@ -184,7 +184,7 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def load_presets(presets_file: Optional[str]) -> dict:
+def load_presets(presets_file: str | None) -> dict:
     presets = dict(PRESETS)
     if presets_file:
         if not os.path.isfile(presets_file):
@@ -235,7 +235,7 @@ def default_sampler(opts: ServeOptions, values: dict) -> Callable:
     return sample
 
 
-def serve(opts: ServeOptions, *, sampler: Optional[Callable] = None, sink=None, log=print) -> dict:
+def serve(opts: ServeOptions, *, sampler: Callable | None = None, sink=None, log=print) -> dict:
     """Poll the runs; sample and log every new complete checkpoint. Returns the state's data."""
     presets = load_presets(opts.presets_file)
     values = preset_values(opts.preset, presets)
@@ -277,7 +277,7 @@ def serve(opts: ServeOptions, *, sampler: Optional[Callable] = None, sink=None, 
 
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxsora.serve", description=__doc__, formatter_class=_Help)
     ap.add_argument("--preset", required=True, help=f"sampling preset: {', '.join(PRESETS)} or one of --presets-file")
     ap.add_argument("--runs", "--expnums", nargs="+", required=True, help="run folders or experiment numbers")

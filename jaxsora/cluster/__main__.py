@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
+from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import read_hostfile, slurm_hosts
 from jaxsora.errors import UserError, run_cli
-from jaxsora.cli import HelpFormatter as _Help
 
 PROG = "jaxsora.cluster"
 DEFAULT_LOGDIR = os.path.join("logs", "cluster")
@@ -93,7 +93,7 @@ def context(args) -> remote.Context:
                           timeout=args.timeout)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:

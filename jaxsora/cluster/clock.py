@@ -7,12 +7,12 @@ and a fork, not ssh's handshake; the sample with the shortest round trip is kept
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import time
-from typing import Optional
 
 from jaxsora.cluster.remote import parse_date
 
@@ -31,7 +31,7 @@ class _Lines:
     def __init__(self, fd: int):
         self.fd, self.buf = fd, b""
 
-    def read(self, deadline: float) -> Optional[str]:
+    def read(self, deadline: float) -> str | None:
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.fd], [], [], left)[0]:
@@ -44,7 +44,7 @@ class _Lines:
         return line.decode(errors="replace").strip()
 
 
-def measure(runner, host: str, timeout: float) -> tuple[Optional[float], Optional[float], Optional[str]]:
+def measure(runner, host: str, timeout: float) -> tuple[float | None, float | None, str | None]:
     """(offset s, uncertainty s, None) or (None, None, why)."""
     deadline = time.monotonic() + timeout
     p = subprocess.Popen(runner.argv(host, SCRIPT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -72,10 +72,8 @@ def measure(runner, host: str, timeout: float) -> tuple[Optional[float], Optiona
     except (BrokenPipeError, OSError) as e:
         why = str(e)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         _, err = p.communicate()
     if samples:
         return (*skew_from_samples(samples), None)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Optional
 
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import log_name
@@ -58,7 +57,7 @@ fi
 """
 
 
-def top_frame(stack: str) -> Optional[str]:
+def top_frame(stack: str) -> str | None:
     """The innermost frame of the signalled (or else the main) thread of a faulthandler/py-spy dump."""
     blocks, current = [], None
     for line in stack.splitlines():

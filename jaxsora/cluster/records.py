@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 from jaxsora.cluster import remote
 from jaxsora.errors import BadInput
@@ -21,8 +20,8 @@ PIDS = "pids.json"
 @dataclasses.dataclass
 class Target:
     host: str
-    process: Optional[int] = None
-    pid: Optional[int] = None
+    process: int | None = None
+    pid: int | None = None
     start: str = ""
     source: str = ""  # where the pid came from (pids.json, heartbeat)
 
@@ -36,7 +35,7 @@ def write_pids(logdir: str, record: dict) -> str:
     return path
 
 
-def read_pids(logdir: str) -> Optional[dict]:
+def read_pids(logdir: str) -> dict | None:
     path = os.path.join(logdir, PIDS)
     try:
         with open(path) as f:
@@ -61,7 +60,7 @@ def parse_heartbeats(lines: list[str]) -> dict[int, dict]:
     return beats
 
 
-def heartbeat_sh(run: Optional[str]) -> str:
+def heartbeat_sh(run: str | None) -> str:
     """Prints `@@heartbeats` and the run's heartbeat files, one JSON per line."""
     if not run:
         return ""
@@ -73,7 +72,7 @@ def short(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def match_heartbeat(beats: dict[int, dict], target: Target, hostname: str) -> Optional[dict]:
+def match_heartbeat(beats: dict[int, dict], target: Target, hostname: str) -> dict | None:
     """The heartbeat of a host's trainer: by process index when known, else by host name."""
     if target.process is not None:
         return beats.get(target.process)

@@ -5,14 +5,15 @@ that the caller parses, and never needs a terminal. Hosts are reached in paralle
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Sequence
 
 DEFAULT_SSH = "ssh -o BatchMode=yes"
 # At most this many hosts are reached at once.
@@ -48,7 +49,7 @@ class Result:
         values = self.fields().get(key)
         return values[0] if values else default
 
-    def failure(self) -> Optional[str]:
+    def failure(self) -> str | None:
         """Why the host did not answer, or None."""
         if self.rc == -1:
             return f"no answer in {self.seconds:.0f}s"
@@ -83,7 +84,7 @@ class Srun:
                 "sh", "-c", script]
 
 
-def run(runner, host: str, script: str, timeout: float, stdin: Optional[str] = None) -> Result:
+def run(runner, host: str, script: str, timeout: float, stdin: str | None = None) -> Result:
     t0 = time.monotonic()
     try:
         p = subprocess.Popen(runner.argv(host, script), stdin=subprocess.PIPE if stdin is not None else
@@ -103,13 +104,11 @@ def run(runner, host: str, script: str, timeout: float, stdin: Optional[str] = N
 
 def _kill_group(p: subprocess.Popen) -> None:
     """The ssh/srun client this module started, and whatever it started locally (its session)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
-def run_all(runner, hosts: Sequence[str], script_for: Callable[[int, str], Optional[str]],
+def run_all(runner, hosts: Sequence[str], script_for: Callable[[int, str], str | None],
             timeout: float) -> list[Result]:
     """`script_for(index, host)` on every host at once (None: skip that host); results in host order."""
     jobs = [(i, h, script_for(i, h)) for i, h in enumerate(hosts)]
@@ -146,12 +145,12 @@ class Context:
     runner: object
     logdir: str
     workdir: str
-    run: Optional[str] = None  # the run folder (<outputs>/<NNN>-<experiment>, or --run-dir): heartbeats and stacks
-    slurm: Optional[str] = None  # the SLURM job id, when the hosts are its nodes
+    run: str | None = None  # the run folder (<outputs>/<NNN>-<experiment>, or --run-dir): heartbeats and stacks
+    slurm: str | None = None  # the SLURM job id, when the hosts are its nodes
     timeout: float = 30.0
 
 
-def parse_date(text: str) -> Optional[float]:
+def parse_date(text: str) -> float | None:
     """`date +%s.%N` output → seconds (a `date` without %N prints `1700000000.N`)."""
     try:
         return float(text.strip().removesuffix(".N"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import log_name
@@ -31,14 +30,14 @@ def script(target: records.Target, ctx) -> str:
     return "\n".join(s) + "\ntrue\n"
 
 
-def _num(text: str) -> Optional[float]:
+def _num(text: str) -> float | None:
     try:
         return float(text.strip())
     except ValueError:  # [N/A], [Not Supported]
         return None
 
 
-def parse_gpus(lines: list[str]) -> tuple[list[dict], Optional[str]]:
+def parse_gpus(lines: list[str]) -> tuple[list[dict], str | None]:
     """nvidia-smi --query-gpu CSV lines → ([{index, name, mem_used, ...}], error text or None)."""
     gpus, junk = [], []
     for line in lines:

@@ -1,7 +1,7 @@
 """A plain text table."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

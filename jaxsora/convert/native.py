@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 import jax
 import numpy as np
@@ -33,8 +32,8 @@ from jaxsora.io.fill import fill_module
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 
 
-def save_weights(path: str, model: STDiT3, *, ema: Optional[dict] = None, step: int = 0,
-                 extra_config: Optional[dict] = None) -> str:
+def save_weights(path: str, model: STDiT3, *, ema: dict | None = None, step: int = 0,
+                 extra_config: dict | None = None) -> str:
     """Write `model` as a one-step checkpoint of the per-item layout: params (trainable), frozen,
     ema (`ema`: a nested dict like the trainable params' `nnx.to_pure_dict`; default the params
     again), config."""
@@ -58,7 +57,7 @@ def save_weights(path: str, model: STDiT3, *, ema: Optional[dict] = None, step: 
     return path
 
 
-def resolve_step_dir(path: str, step: Optional[int] = None) -> str:
+def resolve_step_dir(path: str, step: int | None = None) -> str:
     """A step folder (holding weights: `params/`, `ema/`, or the older `state/`) from a manager
     root or a step folder."""
     from jaxsora.train.checkpoint import has_weights
@@ -101,7 +100,7 @@ def _flatten(tree, prefix=()):
         yield prefix, getattr(tree, "value", tree) if not hasattr(tree, "shape") else tree
 
 
-def load_weights(path: str, *, ema: bool = False, step: Optional[int] = None,
+def load_weights(path: str, *, ema: bool = False, step: int | None = None,
                  merge_lora: bool = True) -> tuple[STDiT3Config, dict]:
     """(model config, {nnx path as tuple of str: numpy array}) from a native checkpoint: the params
     (or the EMA) and the frozen variables; the optimizer state is never read. A LoRA run's
@@ -138,8 +137,8 @@ def apply_weights(model: STDiT3, flat: dict, *, source: str = "checkpoint") -> N
     fill_module(model, flat, source=source, key=lambda path: tuple(str(p) for p in path), unexpected="ignore")
 
 
-def load_model(path: str, *, ema: bool = False, step: Optional[int] = None,
-               config: Optional[STDiT3Config] = None) -> STDiT3:
+def load_model(path: str, *, ema: bool = False, step: int | None = None,
+               config: STDiT3Config | None = None) -> STDiT3:
     cfg, flat = load_weights(path, ema=ema, step=step)
     model = STDiT3(config or cfg, rngs=nnx.Rngs(0))
     apply_weights(model, flat, source=path)

@@ -15,8 +15,6 @@ copy of the model. Sources:
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 
 from jaxsora.convert.torch import LoadReport, from_torch_layout, reparameterize, torch_key, torch_shape
@@ -62,7 +60,7 @@ def read_torch_weights(path: str, targets: dict, model_max_length: int) -> tuple
     return out, LoadReport(mapped, initialized, sorted(set(sd) - set(mapped)))
 
 
-def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Optional[int] = None,
+def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: int | None = None,
                         verify: bool = True) -> dict:
     """{NNX path: sharded jax.Array} for every target, from a jaxsora checkpoint folder: orbax
     reads each shard into its sharding. Every model variable must be there (a jaxsora checkpoint
@@ -129,7 +127,7 @@ def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: Op
     return out
 
 
-def _stored_dtype(sources, name: str) -> Optional[str]:
+def _stored_dtype(sources, name: str) -> str | None:
     field, *parts = name.split(".")
     for f, _, tree in sources:
         if f != field:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import ml_dtypes
 import numpy as np
@@ -112,7 +112,7 @@ def _registration_rank(key: str, depth: int):
 # JAX → PyTorch
 # --------------------------------------------------------------------------------------------
 def to_torch_state_dict(model_or_state, dtype=np.float32,
-                        config: Optional[STDiT3Config] = None) -> dict[str, np.ndarray]:
+                        config: STDiT3Config | None = None) -> dict[str, np.ndarray]:
     """The reference STDiT3 state dict (all 973 keys for XL/2, registration order) as numpy.
 
     `model_or_state` is an STDiT3 or a flat {nnx path tuple: array} mapping (e.g. EMA weights);
@@ -128,7 +128,7 @@ def to_torch_state_dict(model_or_state, dtype=np.float32,
     return dict(sorted(sd.items(), key=lambda kv: _registration_rank(kv[0], depth)))
 
 
-def save_torch_state_dict(sd: dict[str, np.ndarray], path: str, metadata: Optional[dict] = None) -> None:
+def save_torch_state_dict(sd: dict[str, np.ndarray], path: str, metadata: dict | None = None) -> None:
     """Write `.safetensors` (numpy, no torch) or `.pth`/`.pt` (torch.save of a flat dict)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     if path.endswith(".safetensors"):

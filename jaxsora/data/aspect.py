@@ -6,7 +6,7 @@ The tables are hard-coded upstream and differ from the rounding helper in places
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 # name → (pixel count, {ar_key: (H, W)}), in the reference dict order.
 ASPECT_RATIOS: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {

@@ -13,7 +13,7 @@ The aspect-ratio key is the closest H/W in the chosen resolution's table.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def normalize_bucket_config(bucket_config: Mapping) -> dict:
     return out
 
 
-def validate_bucket_config(bucket_config: Mapping, extra_resolutions: Optional[Mapping] = None) -> None:
+def validate_bucket_config(bucket_config: Mapping, extra_resolutions: Mapping | None = None) -> None:
     tables = resolution_tables(extra_resolutions)
     cfg = normalize_bucket_config(bucket_config)
     if not cfg:
@@ -67,7 +67,7 @@ def validate_bucket_config(bucket_config: Mapping, extra_resolutions: Optional[M
 
 
 class Buckets:
-    def __init__(self, bucket_config: Mapping, extra_resolutions: Optional[Mapping] = None):
+    def __init__(self, bucket_config: Mapping, extra_resolutions: Mapping | None = None):
         validate_bucket_config(bucket_config, extra_resolutions)
         self.tables = resolution_tables(extra_resolutions)
         cfg = normalize_bucket_config(bucket_config)
@@ -94,7 +94,7 @@ class Buckets:
                 self.code_base[res][f] = len(self.bucket_keys)
                 self.bucket_keys += [(res, f, ar) for ar in self.tables[res][1]]
 
-    def assign(self, t: int, h: int, w: int, seed: int, frame_interval: int = 1) -> Optional[tuple]:
+    def assign(self, t: int, h: int, w: int, seed: int, frame_interval: int = 1) -> tuple | None:
         """(res, frames, ar_key) or None (the sample sits this epoch out)."""
         hw = h * w
         for res in self.res_order:
@@ -140,7 +140,7 @@ class Buckets:
             ar_values = np.array([float(k) for k in table])
             probs, bid, base = self.probs[res], self.bucket_id[res], self.code_base[res]
 
-            def keep(rows, f):
+            def keep(rows, f, ar_values=ar_values, base=base):  # called in this iteration only
                 ar = np.argmin(np.abs(ar_values[None, :] - ratio[rows, None]), axis=1)  # first on ties
                 codes[rows] = base[f] + ar
                 undecided[rows] = False

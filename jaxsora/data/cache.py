@@ -44,7 +44,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -142,8 +143,8 @@ def write_cache(
     encoder_config: dict,
     num_shards: int = 1,
     batch_size: int = 16,
-    store_dtype: Optional[str] = None,
-    table_path: Optional[str] = None,
+    store_dtype: str | None = None,
+    table_path: str | None = None,
     progress: bool = True,
 ) -> dict:
     """Encode `texts` (row i = table row i) with `encoder` (a `TextEncoder`) into `out_dir`.

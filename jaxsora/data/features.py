@@ -33,7 +33,8 @@ import collections
 import json
 import os
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -168,7 +169,7 @@ class FeatureStore:
                 self._source = tfds.builder_from_directory(self.dir).as_data_source(SPLIT)
             return self._source
 
-    def groups(self) -> "collections.OrderedDict[tuple, np.ndarray]":
+    def groups(self) -> collections.OrderedDict[tuple, np.ndarray]:
         """bucket key → its table rows (ascending), in manifest order: the fixed assignment."""
         out = collections.OrderedDict()
         for i, key in enumerate(self.buckets):
@@ -218,7 +219,7 @@ class _FeatureSource(_PlanSource):
     """Element k → the host share of the k-th planned batch, read from the feature records."""
 
     def __init__(self, store: FeatureStore, buckets: Buckets, *, seed: int, dp: int, process_index: int,
-                 process_count: int, epoch: int, index: int, planner: Optional[plan_lib.Planner] = None):
+                 process_count: int, epoch: int, index: int, planner: plan_lib.Planner | None = None):
         self.store, self.buckets = store, buckets
         self.seed, self.dp, self.frame_interval = seed, dp, 1
         self.process_index, self.process_count = process_index, process_count
@@ -259,7 +260,7 @@ def fixed_planner(store: FeatureStore, buckets: Buckets, seed: int, dp: int) -> 
     return plan_lib.Planner(None, buckets, seed=seed, dp=dp, groups=groups)
 
 
-def run_buckets(store: FeatureStore, bucket_config: Mapping, extra_resolutions: Optional[Mapping]) -> Buckets:
+def run_buckets(store: FeatureStore, bucket_config: Mapping, extra_resolutions: Mapping | None) -> Buckets:
     """The run's `Buckets` (its batch sizes), checked against the cache: every bucket the cache
     holds must be one the run's bucket config has, with a batch size."""
     buckets = Buckets(bucket_config, extra_resolutions)
@@ -283,7 +284,7 @@ class FeatureLoader(VideoLoader):
 
     def __init__(self, directory: str, bucket_config: Mapping, *, seed: int, data_parallel_size: int,
                  process_index: int = 0, process_count: int = 1, num_workers: int = 0, decode_threads: int = 1,
-                 extra_resolutions: Optional[Mapping] = None, prefetch: int = 2):
+                 extra_resolutions: Mapping | None = None, prefetch: int = 2):
         self.store = FeatureStore(directory)
         self.bucket_config = normalize_bucket_config(bucket_config)
         self.extra_resolutions = extra_resolutions

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import collections
 import faulthandler
-import signal
 import os
+import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def host_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def default_codec_threads(num_workers: int, decode_threads: int = 1, cores: Optional[int] = None) -> int:
+def default_codec_threads(num_workers: int, decode_threads: int = 1, cores: int | None = None) -> int:
     """Decoder threads per sample when none are given: the host's cores over the threads decoding at
     once (worker processes × grain read threads), at least 1 and at most 4 — frame threading adds a
     frame of delay and a decoder context per thread, which a window of a few dozen frames per sample
@@ -82,7 +82,7 @@ class _PlanSource:
 
     def __init__(self, table: TableIndex, bucket_config: dict, extra_resolutions, *, seed: int, dp: int,
                  frame_interval: int, process_index: int, process_count: int, epoch: int, index: int,
-                 planner: Optional[plan_lib.Planner] = None, text_inputs: Optional[Callable] = None,
+                 planner: plan_lib.Planner | None = None, text_inputs: Callable | None = None,
                  codec_threads: int = 1):
         self.table, self.bucket_config, self.extra_resolutions = table, bucket_config, extra_resolutions
         self.text_inputs, self.codec_threads = text_inputs, max(1, int(codec_threads))
@@ -247,8 +247,8 @@ class VideoLoader:
 
     def __init__(self, table: str, bucket_config: Mapping, *, seed: int, data_parallel_size: int,
                  process_index: int = 0, process_count: int = 1, num_workers: int = 0, decode_threads: int = 1,
-                 frame_interval: int = 1, extra_resolutions: Optional[Mapping] = None, prefetch: int = 2,
-                 index_dir: Optional[str] = None, progress: bool = True, text_inputs: Optional[Callable] = None,
+                 frame_interval: int = 1, extra_resolutions: Mapping | None = None, prefetch: int = 2,
+                 index_dir: str | None = None, progress: bool = True, text_inputs: Callable | None = None,
                  codec_threads: int = 0):
         if index_dir and int(process_count) > 1:  # one index per host, even on a shared filesystem
             index_dir = f"{index_dir.rstrip('/')}/host{int(process_index)}"

@@ -20,7 +20,6 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Optional
 
 import numpy as np
 
@@ -59,7 +58,7 @@ def check_state(saved: dict, current: dict) -> None:
               "(the optimizer state is kept), or restore the original data setup.")
 
 
-def assign_rows(sizes, buckets, *, seed: int, epoch: int, frame_interval: int = 1) -> "OrderedDict[tuple, np.ndarray]":
+def assign_rows(sizes, buckets, *, seed: int, epoch: int, frame_interval: int = 1) -> OrderedDict[tuple, np.ndarray]:
     """bucket → its rows (ascending), buckets in order of first appearance in the table (as the
     reference). sizes: (num_frames, height, width), each [N] int."""
     t, h, w = (np.asarray(a, np.int64) for a in sizes)
@@ -74,7 +73,7 @@ def assign_rows(sizes, buckets, *, seed: int, epoch: int, frame_interval: int = 
 
 
 def epoch_plan(sizes, buckets, *, seed: int, epoch: int, dp: int, frame_interval: int = 1,
-               groups: "Optional[OrderedDict[tuple, np.ndarray]]" = None) -> list[PlannedBatch]:
+               groups: OrderedDict[tuple, np.ndarray] | None = None) -> list[PlannedBatch]:
     """Steps 2–3 above for one epoch. `groups` (bucket → rows) fixes the assignment of step 1 for
     every epoch (a feature cache stores it); by default rows are assigned anew from (seed, epoch)."""
     if groups is None:
@@ -104,7 +103,7 @@ class Planner:
     for the current and the previous epoch. Thread-safe (grain may read from several threads)."""
 
     def __init__(self, sizes, buckets, *, seed: int, dp: int, frame_interval: int = 1,
-                 groups: "Optional[OrderedDict[tuple, np.ndarray]]" = None):
+                 groups: OrderedDict[tuple, np.ndarray] | None = None):
         self.sizes, self.buckets, self.groups = sizes, buckets, groups  # groups: a fixed assignment
         self.seed, self.dp, self.frame_interval = int(seed), int(dp), int(frame_interval)
         self._plans: dict[int, list] = {}

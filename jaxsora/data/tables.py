@@ -36,7 +36,7 @@ import posixpath
 import re
 import shutil
 import tempfile
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -261,7 +261,7 @@ def _stale_temp_dir(path: str) -> bool:
         os.close(fd)
 
 
-def sweep_stale_temp_dirs(root: Optional[str] = None) -> list[str]:
+def sweep_stale_temp_dirs(root: str | None = None) -> list[str]:
     """Remove the temporary index folders of dead processes under `root` (default: the system
     temp folder). → the folders removed."""
     removed = []
@@ -372,7 +372,7 @@ class TableIndex:
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
-    def build(cls, table: str, directory: Optional[str] = None, progress: bool = True) -> "TableIndex":
+    def build(cls, table: str, directory: str | None = None, progress: bool = True) -> TableIndex:
         """Stream the table's shards into `directory` (default: a temporary folder removed at exit,
         see the module docstring). A directory that already holds the index of the same files
         (names, sizes, modification times) is reused as it is — set `data.index_dir` to skip

@@ -67,7 +67,6 @@ from __future__ import annotations
 import contextlib
 import os
 from fractions import Fraction
-from typing import Optional
 
 import numpy as np
 from PIL import Image
@@ -102,7 +101,7 @@ def is_url(path: str) -> bool:
     return "://" in str(path)
 
 
-def local_path(path: str) -> Optional[str]:
+def local_path(path: str) -> str | None:
     """The local file `path` names: itself, or a ``file://`` URL's path; None for other URLs."""
     path = str(path)
     if not is_url(path):
@@ -229,7 +228,7 @@ class _FrameClock:
         self._num, self._den = step.numerator, step.denominator  # integer arithmetic per frame
 
     @classmethod
-    def of(cls, container, stream, total: int) -> Optional["_FrameClock"]:
+    def of(cls, container, stream, total: int) -> _FrameClock | None:
         """The clock of `stream` when its timing says it is constant-rate with `total` frames from
         its start time (average rate = the stream's rate, duration × rate = total); else None (the
         decode then starts at the beginning)."""
@@ -253,7 +252,7 @@ class _FrameClock:
     def pts(self, index: int) -> int:
         return self.start + round(index * self.step)
 
-    def index(self, pts) -> Optional[int]:
+    def index(self, pts) -> int | None:
         """The frame a timestamp names, or None when it is off the frame grid."""
         if pts is None:
             return None
@@ -338,7 +337,7 @@ def _open_video(src, threads: int):
 _DONE, _ENDED, _LATE, _OFF_CLOCK = "done", "ended", "late", "off_clock"
 
 
-def _decode_pass(container, slots: dict, first: int, last: int, put, clock: Optional[_FrameClock],
+def _decode_pass(container, slots: dict, first: int, last: int, put, clock: _FrameClock | None,
                  seek_to: int) -> tuple[str, int]:
     """Decode the container's video from its start (seek_to = 0: frame index = frames decoded so far)
     or from a seek to the keyframe before frame `seek_to` (index from the timestamp, by `clock`),
@@ -365,7 +364,7 @@ def _decode_pass(container, slots: dict, first: int, last: int, put, clock: Opti
     return _ENDED, prev + 1
 
 
-def _decode_crop(src, container, idx: np.ndarray, clock: Optional[_FrameClock], put, threads: int) -> tuple[bool, int]:
+def _decode_crop(src, container, idx: np.ndarray, clock: _FrameClock | None, put, threads: int) -> tuple[bool, int]:
     """Decode the frames `idx` of a video (the open `container` first, fresh ones after) → (all
     decoded, the stream's measured length when it ended before the last one)."""
     slots: dict = {}
@@ -389,7 +388,7 @@ def _decode_crop(src, container, idx: np.ndarray, clock: Optional[_FrameClock], 
 
 
 def _load_video(src, path: str, t: int, h: int, w: int, frame_interval: int, rng: np.random.Generator,
-                num_frames_hint: Optional[int], threads: int) -> tuple[np.ndarray, float]:
+                num_frames_hint: int | None, threads: int) -> tuple[np.ndarray, float]:
     need = frames_needed(t, frame_interval)
     out = np.empty((3, t, h, w), np.uint8)
     put = _CoverCrop(out, threads)

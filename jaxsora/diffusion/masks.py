@@ -16,7 +16,7 @@ vectorized ops (no per-sample switch), so it compiles fast. The reference draws 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp

@@ -20,7 +20,7 @@ Deliberate differences from the reference (everything else is equal to it, see t
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -8,10 +8,17 @@
 
 `python -m jaxsora.sample` is the command line over the same pieces.
 """
-from jaxsora.infer.options import (SampleSettings, append_score_to_prompts, find_nearest_point, get_image_size,
-                                   get_num_frames, parse_mask_strategy, place_group)
 from jaxsora.infer.conditioning import build_condition, prompt_key
 from jaxsora.infer.loading import find_step_dir
+from jaxsora.infer.options import (
+                                   SampleSettings,
+                                   append_score_to_prompts,
+                                   find_nearest_point,
+                                   get_image_size,
+                                   get_num_frames,
+                                   parse_mask_strategy,
+                                   place_group,
+)
 from jaxsora.infer.pipeline import Pipeline
 from jaxsora.infer.writing import write_samples
 

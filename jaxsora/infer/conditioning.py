@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import zlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -110,7 +110,7 @@ def read_reference(path: str, height: int, width: int) -> np.ndarray:
 
 
 def build_condition(strategies: Sequence[str], refs: Sequence[Sequence[np.ndarray]], loop_i: int,
-                    latent_shape: tuple, align: Optional[int]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+                    latent_shape: tuple, align: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The edit mask [B, T] (1 = generate, 0 = keep, between = edit strength) and the reference
     latents x_cond [B, C, T, h, w] of one loop, as `apply_mask_strategy`; (None, None) when every
     frame is generated (plain text-to-video: the model then gets no x_mask, which equals all True)."""

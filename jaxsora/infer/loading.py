@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import sys
-from typing import Mapping, Optional, Union
+from collections.abc import Mapping
 
 import jax
 from flax import nnx
@@ -30,7 +30,7 @@ class PipelineError(BadInput):
 # --------------------------------------------------------------------------------------------
 # checkpoints
 # --------------------------------------------------------------------------------------------
-def find_step_dir(ckpt: str, step: Optional[int] = None) -> str:
+def find_step_dir(ckpt: str, step: int | None = None) -> str:
     """A step folder (with weights: `params/`/`ema/`, or the older `state/`) from a run folder, its
     `checkpoints/`, one step folder, or a converter output. Without `step`: the newest step whose
     save finished (a new-format step without integrity.json is skipped with a note on stderr)."""
@@ -69,13 +69,13 @@ def _read_config(step_dir: str) -> dict:
     return cfg.get("config", cfg) if isinstance(cfg, dict) and "model" not in cfg else cfg
 
 
-def read_run_config(step_dir: str) -> Optional[dict]:
+def read_run_config(step_dir: str) -> dict | None:
     """The run config stored with a checkpoint, or None for a converter output (model only)."""
     stored = _read_config(step_dir)
     return stored if isinstance(stored, dict) and ("vae" in stored or "text_encoder" in stored) else None
 
 
-def model_config(stored_model: Mapping, dtype: Optional[str] = None):
+def model_config(stored_model: Mapping, dtype: str | None = None):
     """The STDiT3Config of a checkpoint's `model` entry, for sampling: no remat; `dtype` the compute
     dtype (default the checkpoint's; "bfloat16"/"float32"; "bf16"/"fp32" accepted)."""
     from jaxsora.models.stdit3 import STDiT3Config
@@ -104,7 +104,7 @@ def _json_spec(spec: str, flag: str) -> dict:
     return d
 
 
-def _given_spec(spec: Union[None, str, Mapping], own: dict, what: str, flag: str) -> Optional[dict]:
+def _given_spec(spec: None | str | Mapping, own: dict, what: str, flag: str) -> dict | None:
     """The config group when `spec` gives one outright: None = the run config's (`own`), a
     mapping, a JSON object; None when `spec` is a string for the caller to read."""
     if spec is None:
@@ -119,7 +119,7 @@ def _given_spec(spec: Union[None, str, Mapping], own: dict, what: str, flag: str
     return None
 
 
-def vae_spec(spec: Union[None, str, Mapping], run_cfg: Optional[Mapping]) -> dict:
+def vae_spec(spec: None | str | Mapping, run_cfg: Mapping | None) -> dict:
     """The VAE config group: None = the run config's; "identity" = pixel space (the run config's
     identity settings when it has them, else no down-sampling), "identity:1,2,2" = with that
     down-sampling; a JSON object = a config group (`{"kind": "opensora", "path": ..., "config":
@@ -144,7 +144,7 @@ def vae_spec(spec: Union[None, str, Mapping], run_cfg: Optional[Mapping]) -> dic
     return {"kind": "opensora", "path": spec, "dtype": own.get("dtype", "bfloat16") if own else "bfloat16"}
 
 
-def text_encoder_spec(spec: Union[None, str, Mapping], run_cfg: Optional[Mapping], model_cfg) -> dict:
+def text_encoder_spec(spec: None | str | Mapping, run_cfg: Mapping | None, model_cfg) -> dict:
     """The text-encoder config group: None = the run config's; "tiny" = the random byte-level
     encoder (the run config's when it has one, else sized to the model: d_model = its
     caption_channels, model_max_length = its token count); JSON = a config group; anything else =
@@ -194,7 +194,7 @@ def _build_text_encoder(cfg: Mapping, mesh, rules):
         raise PipelineError(f"text encoder {dict(cfg)}: {e}") from None
 
 
-def build_components(vae, text_encoder, run_cfg: Optional[Mapping], mcfg, mesh, rules):
+def build_components(vae, text_encoder, run_cfg: Mapping | None, mcfg, mesh, rules):
     """(VAE config group, text-encoder config group, VAE, text encoder) for the model `mcfg`, from
     the specs (see `vae_spec`, `text_encoder_spec`); a VAE or text encoder whose sizes do not fit
     the model is a PipelineError."""
@@ -215,7 +215,7 @@ def build_components(vae, text_encoder, run_cfg: Optional[Mapping], mcfg, mesh, 
 # --------------------------------------------------------------------------------------------
 # weights
 # --------------------------------------------------------------------------------------------
-def restore_model(step_dir: str, mcfg, run_cfg: Optional[Mapping], mesh, rules, *, ema: bool = True):
+def restore_model(step_dir: str, mcfg, run_cfg: Mapping | None, mesh, rules, *, ema: bool = True):
     """(STDiT3 with the checkpoint's weights in their shards, "ema" or "params"). Without EMA
     weights in the checkpoint, `ema` falls back to the params (said on stderr). A LoRA run's
     checkpoint gives the model with its adapters (the base frozen, the adapters params / ema)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxsora.data.aspect import ASPECT_RATIO_MAP, NUM_FRAMES_MAP, resolution_tables
 from jaxsora.errors import BadInput
@@ -46,26 +47,26 @@ class SampleSettings:
 
     resolution: str = "240p"
     aspect_ratio: str = "9:16"
-    image_size: Optional[tuple] = None
-    num_frames: Union[int, str] = 51
+    image_size: tuple | None = None
+    num_frames: int | str = 51
     fps: float = 24
     num_sampling_steps: int = 30
     cfg_scale: float = 7.0
-    aes: Optional[float] = 6.5
-    flow: Optional[float] = None
+    aes: float | None = 6.5
+    flow: float | None = None
     seed: int = 42
     batch_size: int = 1
-    reference_path: Union[None, str, Sequence[str]] = None
-    mask_strategy: Union[None, str, Sequence[str]] = None
+    reference_path: None | str | Sequence[str] = None
+    mask_strategy: None | str | Sequence[str] = None
     loop: int = 1
     condition_frame_length: int = 5
     # --- beyond the server's list (Open-Sora config keys too) ---
-    camera_motion: Optional[str] = None
+    camera_motion: str | None = None
     condition_frame_edit: float = 0.0
-    align: Optional[int] = None
-    save_fps: Optional[float] = None
+    align: int | None = None
+    save_fps: float | None = None
 
-    def replace(self, **changes) -> "SampleSettings":
+    def replace(self, **changes) -> SampleSettings:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -75,7 +76,7 @@ class SampleSettings:
                 d[k] = list(d[k])
         return d
 
-    def validate(self, extra_resolutions: Optional[Mapping] = None) -> "Resolved":
+    def validate(self, extra_resolutions: Mapping | None = None) -> Resolved:
         """Check every value; returns the resolved sizes. Raises BadInput naming the setting."""
         h, w = get_image_size(self.resolution, self.aspect_ratio, extra_resolutions) if self.image_size is None \
             else _image_size(self.image_size)
@@ -131,7 +132,7 @@ def _image_size(size) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 # sizes and durations (opensora/datasets/aspect.py)
 # --------------------------------------------------------------------------------------------
-def get_image_size(resolution: str, aspect_ratio: str, extra_resolutions: Optional[Mapping] = None) -> tuple[int, int]:
+def get_image_size(resolution: str, aspect_ratio: str, extra_resolutions: Mapping | None = None) -> tuple[int, int]:
     """(H, W) of a resolution name and an aspect ratio, as the reference's `get_image_size`: an
     "h:w" name goes through ASPECT_RATIO_MAP to its H/W key ("9:16" → "0.56" → 240p: 240×426,
     i.e. landscape), anything else is taken as a key itself ("0.56"). `extra_resolutions`: a run's
@@ -149,14 +150,14 @@ def get_image_size(resolution: str, aspect_ratio: str, extra_resolutions: Option
     return int(h), int(w)
 
 
-def _as_tables(extra) -> Optional[dict]:
+def _as_tables(extra) -> dict | None:
     """A run config's `data.resolutions` ({name: [(key, (H, W)), ...]} or {name: {key: (H, W)}})."""
     if not extra:
         return None
     return {str(name): dict(table) for name, table in dict(extra).items()}
 
 
-def get_num_frames(num_frames: Union[int, str]) -> int:
+def get_num_frames(num_frames: int | str) -> int:
     """A frame count from an int or a name: NUM_FRAMES_MAP ("2s" = 51, "4s" = 102, "8s" = 204,
     "16s" = 408, "32s" = 816, "1x" = 51, "2x" = 102, ...), else int(...) as the reference."""
     if isinstance(num_frames, str) and num_frames in NUM_FRAMES_MAP:
@@ -192,7 +193,7 @@ def append_score_to_prompts(prompts: Sequence[str], aes=None, flow=None, camera_
     return out
 
 
-def split_prompt(prompt: str) -> tuple[list[str], Optional[list[int]]]:
+def split_prompt(prompt: str) -> tuple[list[str], list[int] | None]:
     """"|0| a |2| b" → (["a", "b"], [0, 2]); a plain prompt → ([prompt], None)."""
     if not prompt.startswith("|0|"):
         return [prompt], None
@@ -211,7 +212,7 @@ def split_prompt(prompt: str) -> tuple[list[str], Optional[list[int]]]:
     return texts, loops
 
 
-def merge_prompt(texts: Sequence[str], loops: Optional[Sequence[int]] = None) -> str:
+def merge_prompt(texts: Sequence[str], loops: Sequence[int] | None = None) -> str:
     if loops is None:
         return texts[0]
     return "".join(f"|{i}|{t}" for t, i in zip(texts, loops))
@@ -286,7 +287,7 @@ class MaskGroup:
     edit_ratio: float
 
 
-def parse_mask_strategy(mask_strategy: Optional[str]) -> list[MaskGroup]:
+def parse_mask_strategy(mask_strategy: str | None) -> list[MaskGroup]:
     """"0" → [MaskGroup(0, 0, 0, 0, 1, 0.0)]: ";"-separated groups of 1–6 comma fields,
     `loop_id, ref_id, ref_start, target_start, length, edit_ratio`, missing ones from
     MASK_DEFAULT (0, 0, 0, 0, 1, 0). The first five are ints, edit_ratio a float in [0, 1]."""
@@ -321,7 +322,7 @@ def find_nearest_point(value: int, point: int, max_value: int) -> int:
     return t * point
 
 
-def place_group(group: MaskGroup, ref_frames: int, z_frames: int, align: Optional[int]) -> tuple[int, int, int]:
+def place_group(group: MaskGroup, ref_frames: int, z_frames: int, align: int | None) -> tuple[int, int, int]:
     """(ref_start, target_start, length) of one group for a reference of `ref_frames` latent frames
     and a sample of `z_frames`, as `apply_mask_strategy`: negative starts count from the end, then
     (align) snap with `find_nearest_point`, length = min(length, frames left in z, in the ref).

@@ -18,7 +18,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +29,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsora.errors import BadInput
 from jaxsora.infer import options as opt
-from jaxsora.infer.conditioning import (build_condition, cond_pixel_frames, prompt_hash, prompt_key,
-                                        prompt_occurrences, read_reference, vae_align)
-from jaxsora.infer.loading import (CONVERTED_HINT, PipelineError, _read_config, build_components, build_vae,
-                                   find_step_dir, model_config, read_run_config, restore_model, text_encoder_spec,
-                                   vae_spec)
+from jaxsora.infer.conditioning import (
+    build_condition,
+    cond_pixel_frames,
+    prompt_hash,
+    prompt_key,
+    prompt_occurrences,
+    read_reference,
+    vae_align,
+)
+from jaxsora.infer.loading import (
+    CONVERTED_HINT,
+    PipelineError,
+    _read_config,
+    build_components,
+    build_vae,
+    find_step_dir,
+    model_config,
+    read_run_config,
+    restore_model,
+    text_encoder_spec,
+    vae_spec,
+)
 from jaxsora.infer.options import SampleSettings
 from jaxsora.infer.writing import sample_name, write_samples
 
@@ -45,16 +63,16 @@ __all__ = ["Pipeline", "PipelineError", "CONVERTED_HINT", "default_mesh", "defau
 # --------------------------------------------------------------------------------------------
 # the pipeline
 # --------------------------------------------------------------------------------------------
-def default_mesh(dp: Optional[int] = None, sp: int = 1) -> jax.sharding.Mesh:
+def default_mesh(dp: int | None = None, sp: int = 1) -> jax.sharding.Mesh:
     from jaxsora.parallel.mesh import make_mesh
 
     return make_mesh({"data": -1 if dp is None else int(dp), "fsdp": 1, "sequence": int(sp)})
 
 
-def default_settings(run_config: Optional[Mapping] = None, **overrides) -> SampleSettings:
+def default_settings(run_config: Mapping | None = None, **overrides) -> SampleSettings:
     """SampleSettings with the run config's `sample` section (height/width, num_frames, fps, and
     aes/flow when it names them) in place of Open-Sora's defaults, then `overrides`."""
-    s = dict(((run_config or {}).get("sample") or {}))
+    s = dict((run_config or {}).get("sample") or {})
     kw: dict[str, Any] = {}
     if s.get("height") and s.get("width"):
         kw["image_size"] = (int(s["height"]), int(s["width"]))
@@ -68,8 +86,8 @@ def default_settings(run_config: Optional[Mapping] = None, **overrides) -> Sampl
 class Pipeline:
     """A loaded model with its VAE and text encoder, on a mesh. See the module docstring."""
 
-    def __init__(self, model, vae, text_encoder, mesh, *, step: int, step_dir: str, run_config: Optional[dict],
-                 weights: str, use_timestep_transform: bool = True, specs: Optional[dict] = None):
+    def __init__(self, model, vae, text_encoder, mesh, *, step: int, step_dir: str, run_config: dict | None,
+                 weights: str, use_timestep_transform: bool = True, specs: dict | None = None):
         from jaxsora.parallel.mesh import data_parallel_size, logical_rules
 
         self.mesh = mesh
@@ -101,8 +119,8 @@ class Pipeline:
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, ckpt: str, *, step: Optional[int] = None, ema: bool = True, vae=None, text_encoder=None,
-             mesh: Optional[jax.sharding.Mesh] = None, dtype: Optional[str] = None) -> "Pipeline":
+    def load(cls, ckpt: str, *, step: int | None = None, ema: bool = True, vae=None, text_encoder=None,
+             mesh: jax.sharding.Mesh | None = None, dtype: str | None = None) -> Pipeline:
         """ckpt: a run folder, its checkpoints/, a step folder or a `convert from-torch` output.
         ema: use the EMA weights when the checkpoint has them (else the params, said on stderr).
         vae / text_encoder: None (the run config's) or a spec (see `vae_spec`, `text_encoder_spec`).
@@ -133,7 +151,7 @@ class Pipeline:
 
     # ---- settings ----------------------------------------------------------------------------
     @property
-    def extra_resolutions(self) -> Optional[dict]:
+    def extra_resolutions(self) -> dict | None:
         data = (self.run_config or {}).get("data") or {}
         return data.get("resolutions") or None
 
@@ -208,7 +226,7 @@ class Pipeline:
             return self._fetch(self._encode(self.vae_state, jnp.asarray(video, jnp.float32)))
 
     # ---- sampling ----------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str], settings: Optional[SampleSettings] = None, progress: bool = True
+    def generate(self, prompts: Sequence[str], settings: SampleSettings | None = None, progress: bool = True
                  ) -> list[np.ndarray]:
         """One video [T, H, W, 3] uint8 per prompt (T = num_frames, or more with loops; H, W the
         requested size — with the OpenSora VAE rounded down to a multiple of 8, as the reference)."""

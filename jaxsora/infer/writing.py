@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from jaxsora.infer.conditioning import prompt_hash, prompt_occurrences
 from jaxsora.infer.options import SampleSettings
 
 
-def sample_name(index: int, *, prefix: str = "sample", num_sample: int = 1, k: int = 0, prompt: Optional[str] = None
+def sample_name(index: int, *, prefix: str = "sample", num_sample: int = 1, k: int = 0, prompt: str | None = None
                 ) -> str:
     """Open-Sora's get_save_path_name: "sample_0003" (or "<prefix>_0003"), "-k" with num_sample > 1;
     with prompt (prompt_as_path) the prompt itself (made file-safe)."""
@@ -29,7 +29,7 @@ def sample_name(index: int, *, prefix: str = "sample", num_sample: int = 1, k: i
 
 
 def write_samples(videos: Sequence[np.ndarray], prompts: Sequence[str], settings: SampleSettings, save_dir: str,
-                  meta: Optional[dict] = None, *, start_index: int = 0, prefix: str = "sample", num_sample: int = 1,
+                  meta: dict | None = None, *, start_index: int = 0, prefix: str = "sample", num_sample: int = 1,
                   prompt_as_path: bool = False) -> list[str]:
     """Write each video (an mp4 at settings.save_fps or fps; one frame: a png) and a JSON sidecar
     beside it (prompt as given and as fed, seed and noise derivation, every setting, the size

@@ -13,7 +13,8 @@ against the model's shape before it is read, cast to the variable's dtype (or `d
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,13 +56,13 @@ def fill_module(
     *,
     source: str = "state dict",
     key: Callable[[tuple], Any] = dotted,
-    file_shape: Optional[Callable[[tuple, tuple], tuple]] = None,
-    to_model: Optional[Callable[[tuple, np.ndarray], np.ndarray]] = None,
+    file_shape: Callable[[tuple, tuple], tuple] | None = None,
+    to_model: Callable[[tuple, np.ndarray], np.ndarray] | None = None,
     dtype=None,
     missing: str = "raise",
     unexpected: str = "raise",
-    place: Optional[Callable[[tuple, Any, np.ndarray], Any]] = None,
-    progress: Optional[str] = None,
+    place: Callable[[tuple, Any, np.ndarray], Any] | None = None,
+    progress: str | None = None,
 ) -> tuple[nnx.Module, FillReport]:
     """Copy `tensors` into `model`'s variables in place (an abstract model from `nnx.eval_shape`
     becomes a real one) and return it with a report.

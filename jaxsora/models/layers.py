@@ -11,7 +11,6 @@ are float32; `dtype` is the compute dtype (bfloat16 on GPU).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +160,7 @@ def rope_interleaved(x: jax.Array, freqs: jax.Array) -> jax.Array:
     return (xf * jnp.cos(ang) + swapped * sin_signed).astype(x.dtype)
 
 
-def resolve_attention_impl(impl: str, dtype, head_dim: int) -> Optional[str]:
+def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str | None:
     """Pick `jax.nn.dot_product_attention`'s implementation explicitly.
 
     "auto": cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple of 8 and ≤ 128 —
@@ -184,8 +183,8 @@ def attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    impl: Optional[str],
-    kv_lengths: Optional[jax.Array] = None,
+    impl: str | None,
+    kv_lengths: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q·kᵀ/√Dh)·v with the softmax in float32.
 
@@ -340,7 +339,7 @@ class Attention(nnx.Module):
     """Self-attention: fused qkv (rows q | k | v, each head-major), q/k RMSNorm, optional RoPE."""
 
     def __init__(self, dim, num_heads, *, qk_norm, use_rope: bool, rngs, dtype, attn_impl,
-                 sequence_axis: Optional[str] = None):
+                 sequence_axis: str | None = None):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = dense(dim, 3 * dim, ("embed", "heads"), rngs=rngs, dtype=dtype)
@@ -354,7 +353,7 @@ class Attention(nnx.Module):
         self.attn_impl = attn_impl
         self.sequence_axis = sequence_axis
 
-    def __call__(self, x: jax.Array, rope_freqs: Optional[jax.Array] = None, kv_len: Optional[int] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, rope_freqs: jax.Array | None = None, kv_len: int | None = None) -> jax.Array:
         """x: [R, N, C] (R independent rows, N the attended sequence) → [R, N, C].
         rope_freqs: [Dh/2], required when the layer uses RoPE (temporal blocks); kv_len: only the
         first kv_len keys are attended (the rest is sequence-parallel padding)."""
@@ -394,7 +393,7 @@ class MultiHeadCrossAttention(nnx.Module):
         self.proj = dense(dim, dim, ("heads", "embed"), rngs=rngs, dtype=dtype, kernel_init=proj_init)
         self.attn_impl = attn_impl
 
-    def __call__(self, x: jax.Array, y: jax.Array, y_lens: Optional[jax.Array]) -> jax.Array:
+    def __call__(self, x: jax.Array, y: jax.Array, y_lens: jax.Array | None) -> jax.Array:
         """x: [B, N, C]; y: [B, L, C] projected text; y_lens: [B] valid-token counts or None."""
         b, n, c = x.shape
         q = self.q_linear(x).reshape(b, n, self.num_heads, self.head_dim)
@@ -403,7 +402,7 @@ class MultiHeadCrossAttention(nnx.Module):
         return self.proj(out.reshape(b, n, c))
 
 
-def text_lengths(mask: Optional[jax.Array]) -> Optional[jax.Array]:
+def text_lengths(mask: jax.Array | None) -> jax.Array | None:
     """[B, L] 0/1 text mask → [B] int32 valid-token counts (None stays None)."""
     if mask is None:
         return None

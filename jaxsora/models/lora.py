@@ -41,7 +41,8 @@ import fnmatch
 import functools
 import math
 import zlib
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +101,7 @@ class LoRASpec:
         return float(self.alpha) / int(self.rank)
 
     @classmethod
-    def from_config(cls, group) -> Optional["LoRASpec"]:
+    def from_config(cls, group) -> LoRASpec | None:
         """The spec of a `lora` config group (ConfigDict or dict); None when absent or rank 0."""
         if group is None:
             return None
@@ -249,7 +250,7 @@ def select(paths: Sequence[Sequence], targets: Iterable[str]) -> list[tuple]:
     return [p for p in paths if p in chosen]
 
 
-def _check_scan(selected: Sequence[tuple], spec: "LoRASpec", config) -> None:
+def _check_scan(selected: Sequence[tuple], spec: LoRASpec, config) -> None:
     """`scan_blocks` stacks the blocks' parameters: every block of a kind needs the same adapters,
     and the scanned body would reuse one dropout mask for every block."""
     if not getattr(config, "scan_blocks", False):

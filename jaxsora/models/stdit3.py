@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +60,7 @@ class STDiT3Config:
     # of `depth`. Parameters, checkpoints and conversion are unchanged (stacked on the fly).
     scan_blocks: bool = False
     attention_impl: str = "auto"  # "auto" | "xla" | "cudnn"
-    sequence_parallel_axis: Optional[str] = None  # mesh axis for Ulysses spatial attention
+    sequence_parallel_axis: str | None = None  # mesh axis for Ulysses spatial attention
     # The reference modulates x_mask == False frames twice in the final layer (spec §1.5). Keep
     # False to load/export Open-Sora checkpoints; True computes the intended single modulation.
     fix_final_layer_double_mod: bool = False
@@ -93,7 +92,7 @@ class STDiT3Config:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def replace(self, **kw) -> "STDiT3Config":
+    def replace(self, **kw) -> STDiT3Config:
         return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
@@ -233,8 +232,8 @@ def _pair(spatial, temporal, h, *args):
     return temporal(spatial(h, *args), *args)
 
 
-@functools.lru_cache(maxsize=None)
-def _traced_block_builder(cfg: "STDiT3Config", temporal: bool, dtype_name: str, attn_impl):
+@functools.cache
+def _traced_block_builder(cfg: STDiT3Config, temporal: bool, dtype_name: str, attn_impl):
     """A jitted block constructor. Inside a trace (eval_shape, a jitted init) each block is then
     built in a trace of its own: flax's Variable updates look up tracer provenance, which costs
     time proportional to the enclosing trace — building 56 blocks in one trace is quadratic
@@ -247,14 +246,14 @@ def _traced_block_builder(cfg: "STDiT3Config", temporal: bool, dtype_name: str, 
     return build
 
 
-def _build_block(cfg, temporal: bool, rngs: nnx.Rngs, dtype, attn_impl) -> "STDiT3Block":
+def _build_block(cfg, temporal: bool, rngs: nnx.Rngs, dtype, attn_impl) -> STDiT3Block:
     key = rngs.params()  # one key per block, so traced and eager builds draw the same numbers
     if isinstance(key, jax.core.Tracer):
         return _traced_block_builder(cfg, temporal, jnp.dtype(dtype).name, attn_impl)(key)
     return STDiT3Block(cfg, temporal=temporal, rngs=nnx.Rngs(params=key), dtype=dtype, attn_impl=attn_impl)
 
 
-def sequence_parallel_size(axis: Optional[str]) -> int:
+def sequence_parallel_size(axis: str | None) -> int:
     """Size of the Ulysses mesh axis in the current `jax.set_mesh` context (1 outside one)."""
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh is None or mesh.empty or axis not in mesh.axis_names:
@@ -296,14 +295,14 @@ class STDiT3(nnx.Module):
         x: jax.Array,
         timestep: jax.Array,
         y: jax.Array,
-        mask: Optional[jax.Array] = None,
-        x_mask: Optional[jax.Array] = None,
-        fps: Optional[jax.Array] = None,
-        height: Optional[jax.Array] = None,
-        width: Optional[jax.Array] = None,
+        mask: jax.Array | None = None,
+        x_mask: jax.Array | None = None,
+        fps: jax.Array | None = None,
+        height: jax.Array | None = None,
+        width: jax.Array | None = None,
         *,
-        dropout_key: Optional[jax.Array] = None,
-        force_drop_ids: Optional[jax.Array] = None,
+        dropout_key: jax.Array | None = None,
+        force_drop_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Predict the velocity (and the unused sigma channels).
 

@@ -37,7 +37,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,7 @@ class T5Config:
         return acts[name]
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any]) -> "T5Config":
+    def from_hf(cls, d: Mapping[str, Any]) -> T5Config:
         """From a Hugging Face `config.json` dict (T5EncoderModel or T5ForConditionalGeneration)."""
         missing = [k for k in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads") if k not in d]
         if missing:
@@ -238,10 +239,7 @@ class T5FeedForward(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = self.cfg.activation
-        if self.cfg.is_gated:
-            hidden = act(self.wi_0(x)) * self.wi_1(x)
-        else:
-            hidden = act(self.wi(x))
+        hidden = act(self.wi_0(x)) * self.wi_1(x) if self.cfg.is_gated else act(self.wi(x))
         hidden = constraints.constrain(hidden, ("batch", "seq", "mlp"))
         return self.wo(hidden)
 
@@ -283,7 +281,7 @@ class T5EncoderModel(nnx.Module):
         self.block = nnx.List([T5Block(cfg, i == 0, rngs=rngs, **kw) for i in range(cfg.num_layers)])
         self.final_layer_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon, **kw)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         b, n = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, n), jnp.int32)
@@ -346,7 +344,7 @@ def load_t5_encoder(
     dtype=jnp.float32,
     *,
     param_dtype=jnp.float32,
-    mesh: Optional[jax.sharding.Mesh] = None,
+    mesh: jax.sharding.Mesh | None = None,
     rules=None,
 ) -> T5EncoderModel:
     """Load the encoder of a local Hugging Face T5 folder (`T5EncoderModel` or
@@ -467,7 +465,7 @@ class TextEncoder:
     (`jaxsora.data.cache`).
     """
 
-    def __init__(self, model: T5EncoderModel, tokenizer, config: Optional[dict] = None):
+    def __init__(self, model: T5EncoderModel, tokenizer, config: dict | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.tokenizer = tokenizer
         self.model_max_length = int(tokenizer.model_max_length)
@@ -519,7 +517,7 @@ def tiny_t5_config(d_model=32, num_layers=2, num_heads=2, d_ff=64, d_kv=None, vo
     )
 
 
-def build_text_encoder(cfg: Mapping[str, Any], *, mesh: Optional[jax.sharding.Mesh] = None, rules=None) -> TextEncoder:
+def build_text_encoder(cfg: Mapping[str, Any], *, mesh: jax.sharding.Mesh | None = None, rules=None) -> TextEncoder:
     """From a config dict (or ConfigDict):
 
     * `{"kind": "t5", "path": folder, "model_max_length": 300, "dtype": "bfloat16",

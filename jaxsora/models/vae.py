@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,14 @@ from jaxsora.errors import MissingFile
 from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import open_state_dict
 from jaxsora.models.layers import Buffer
-from jaxsora.models.vae_layers import (AutoencoderKL, SpatialVAEConfig, TemporalVAE, TemporalVAEConfig,
-                                       gaussian_sample, shapes_only_init)
+from jaxsora.models.vae_layers import (
+    AutoencoderKL,
+    SpatialVAEConfig,
+    TemporalVAE,
+    TemporalVAEConfig,
+    gaussian_sample,
+    shapes_only_init,
+)
 
 # Open-Sora 1.2 (opensora/models/vae/vae.py, VideoAutoencoderKL): latents are multiplied by the SD1
 # constant 0.18215 on encode and divided by it on decode (hard-coded; not SDXL's 0.13025).
@@ -61,10 +68,10 @@ def _as_dtype(dtype) -> Any:
 class OpenSoraVAEConfig:
     spatial: SpatialVAEConfig = SpatialVAEConfig()
     temporal: TemporalVAEConfig = TemporalVAEConfig()
-    micro_frame_size: Optional[int] = MICRO_FRAME_SIZE  # None: the whole clip in one temporal call
-    micro_batch_size: Optional[int] = MICRO_BATCH_SIZE  # None: all frames in one spatial call
-    shift: Tuple[float, ...] = OPENSORA_V1_2_SHIFT
-    scale: Tuple[float, ...] = OPENSORA_V1_2_SCALE
+    micro_frame_size: int | None = MICRO_FRAME_SIZE  # None: the whole clip in one temporal call
+    micro_batch_size: int | None = MICRO_BATCH_SIZE  # None: all frames in one spatial call
+    shift: tuple[float, ...] = OPENSORA_V1_2_SHIFT
+    scale: tuple[float, ...] = OPENSORA_V1_2_SCALE
     scaling_factor: float = SPATIAL_SCALING_FACTOR
     dtype: str = "float32"  # compute dtype
 
@@ -73,14 +80,14 @@ class OpenSoraVAEConfig:
 TINY_SPATIAL = SpatialVAEConfig(block_out_channels=(16, 32, 32, 32), layers_per_block=2, norm_num_groups=8)
 TINY_TEMPORAL = TemporalVAEConfig(filters=32, num_res_blocks=2, num_groups=8)
 
-VAE_PRESETS: Dict[str, OpenSoraVAEConfig] = {
+VAE_PRESETS: dict[str, OpenSoraVAEConfig] = {
     # Open-Sora 1.2: SDXL-VAE spatial part + VAE_Temporal_SD, 17-frame chunks, 4-frame micro-batches.
     "OpenSoraVAE_V1_2": OpenSoraVAEConfig(),
     "tiny": OpenSoraVAEConfig(spatial=TINY_SPATIAL, temporal=TINY_TEMPORAL),
 }
 
 
-def get_vae_config(name: Union[str, OpenSoraVAEConfig] = "OpenSoraVAE_V1_2", **overrides) -> OpenSoraVAEConfig:
+def get_vae_config(name: str | OpenSoraVAEConfig = "OpenSoraVAE_V1_2", **overrides) -> OpenSoraVAEConfig:
     """A preset ("OpenSoraVAE_V1_2", "tiny") or a config, with field overrides."""
     if isinstance(name, OpenSoraVAEConfig):
         cfg = name
@@ -94,7 +101,7 @@ def get_vae_config(name: Union[str, OpenSoraVAEConfig] = "OpenSoraVAE_V1_2", **o
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-def _map_frames(module: nnx.Module, method: str, frames: jax.Array, micro: Optional[int]):
+def _map_frames(module: nnx.Module, method: str, frames: jax.Array, micro: int | None):
     """Apply `module.method` to frames `[N, ...]` in micro-batches of `micro` frames with
     `jax.lax.map` (jittable; the last chunk is zero-padded, each frame is independent)."""
     n = frames.shape[0]
@@ -113,7 +120,7 @@ def _map_frames(module: nnx.Module, method: str, frames: jax.Array, micro: Optio
     return jax.tree.map(lambda a: a.reshape((chunks * micro,) + a.shape[2:])[:n], out)
 
 
-def latent_frames(num_frames: int, micro_frame_size: Optional[int] = MICRO_FRAME_SIZE, factor: int = 4) -> int:
+def latent_frames(num_frames: int, micro_frame_size: int | None = MICRO_FRAME_SIZE, factor: int = 4) -> int:
     """Open-Sora 1.2 latent frame count: each full chunk of 17 frames -> 5 latents, the rest r -> ceil(r/4).
     1 -> 1, 17 -> 5, 34 -> 10, 51 -> 15, 102 -> 30."""
     t = int(num_frames)
@@ -142,7 +149,7 @@ class OpenSoraVAE(nnx.Module):
     T_lat = 5 * (T // 17) + ceil((T % 17) / 4), see `get_latent_size`.
     """
 
-    def __init__(self, config: OpenSoraVAEConfig = OpenSoraVAEConfig(), *, rngs: Optional[nnx.Rngs] = None):
+    def __init__(self, config: OpenSoraVAEConfig = OpenSoraVAEConfig(), *, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = _as_dtype(config.dtype)
@@ -159,8 +166,8 @@ class OpenSoraVAE(nnx.Module):
         self.shift = Buffer(jnp.asarray(config.shift, jnp.float32).reshape(1, c, 1, 1, 1))
 
     @classmethod
-    def from_config(cls, config: Union[str, OpenSoraVAEConfig] = "OpenSoraVAE_V1_2", *, seed: int = 0,
-                    rngs: Optional[nnx.Rngs] = None, **overrides) -> "OpenSoraVAE":
+    def from_config(cls, config: str | OpenSoraVAEConfig = "OpenSoraVAE_V1_2", *, seed: int = 0,
+                    rngs: nnx.Rngs | None = None, **overrides) -> OpenSoraVAE:
         """Random-weight model from a preset name or config (for shapes only:
         `abstract_model(lambda: OpenSoraVAE.from_config(...))`, i.e. `nnx.eval_shape`)."""
         return cls(get_vae_config(config, **overrides), rngs=rngs if rngs is not None else nnx.Rngs(seed))
@@ -174,7 +181,7 @@ class OpenSoraVAE(nnx.Module):
     def spatial_factor(self) -> int:
         return self.config.spatial.downsample_factor
 
-    def get_latent_size(self, size: Sequence[Optional[int]]) -> Tuple[Optional[int], ...]:
+    def get_latent_size(self, size: Sequence[int | None]) -> tuple[int | None, ...]:
         """(T, H, W) pixels -> (T_lat, H // 8, W // 8); None stays None."""
         t, h, w = size
         f = self.spatial_factor
@@ -265,7 +272,7 @@ def abstract_model(build):
         return nnx.eval_shape(build)
 
 
-def _flat_keys(model: nnx.Module) -> Dict[str, Tuple[int, ...]]:
+def _flat_keys(model: nnx.Module) -> dict[str, tuple[int, ...]]:
     """'.'-joined NNX paths (= PyTorch state-dict keys) -> shape, for every Param/Buffer."""
     _, state = nnx.split(model)
     return {".".join(str(p) for p in path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
@@ -275,7 +282,7 @@ def _flat_keys(model: nnx.Module) -> Dict[str, Tuple[int, ...]]:
 _LEGACY_ATTN = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
-def _modernize_spatial_keys(sd: Mapping[str, Any]) -> Dict[str, Any]:
+def _modernize_spatial_keys(sd: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in sd.items():
         parts = k.split(".")
@@ -287,7 +294,7 @@ def _modernize_spatial_keys(sd: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def load_spatial_vae(folder: Union[str, os.PathLike], dtype="float32") -> AutoencoderKL:
+def load_spatial_vae(folder: str | os.PathLike, dtype="float32") -> AutoencoderKL:
     """A diffusers `AutoencoderKL` folder (`config.json` + `diffusion_pytorch_model.safetensors`, or a
     `vae/` subfolder holding them) -> `AutoencoderKL` with `encode_mean(x)` / `decode(z)` on
     `[B, C, H, W]`, in the diffusers layout and scale (no scaling factor)."""
@@ -305,8 +312,8 @@ def load_spatial_vae(folder: Union[str, os.PathLike], dtype="float32") -> Autoen
     return fill_module(abstract, sd, source=folder, dtype=np.float32)[0]  # parameters stay float32
 
 
-def load_opensora_vae(path: Union[str, os.PathLike], dtype="float32",
-                      config: Union[str, OpenSoraVAEConfig] = "OpenSoraVAE_V1_2", **overrides) -> OpenSoraVAE:
+def load_opensora_vae(path: str | os.PathLike, dtype="float32",
+                      config: str | OpenSoraVAEConfig = "OpenSoraVAE_V1_2", **overrides) -> OpenSoraVAE:
     """The Open-Sora VAE v1.2 checkpoint (`spatial_vae.module.*`, `temporal_vae.*`, `scale`, `shift`;
     hpcai-tech/OpenSora-VAE-v1.2) from `.safetensors`, `.pth`/`.bin` or a folder with
     `model.safetensors`. `config` names the architecture (default: the real one); the loaded
@@ -323,18 +330,18 @@ def load_opensora_vae(path: Union[str, os.PathLike], dtype="float32",
     return fill_module(abstract, sd, source=os.fspath(path), dtype=np.float32)[0]
 
 
-def state_dict_shapes(model: nnx.Module) -> Dict[str, Tuple[int, ...]]:
+def state_dict_shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
     """Reference state-dict key -> shape of a model (works on `nnx.eval_shape` results)."""
     return _flat_keys(model)
 
 
-def to_state_dict(model: nnx.Module) -> Dict[str, np.ndarray]:
+def to_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     """Reference state-dict (PyTorch keys and layouts) as float32 numpy arrays."""
     _, state = nnx.split(model)
     return {".".join(str(p) for p in path): np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(state)}
 
 
-def load_state_dict(model: nnx.Module, tensors: Dict[str, np.ndarray], source: str = "state dict") -> nnx.Module:
+def load_state_dict(model: nnx.Module, tensors: dict[str, np.ndarray], source: str = "state dict") -> nnx.Module:
     """A new model of `model`'s structure holding `tensors` (keys/shapes checked)."""
     return fill_module(nnx.clone(model), tensors, source=source, dtype=np.float32)[0]
 

@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +95,7 @@ class Conv(nnx.Module):
     kernel dims (T, H, W) / (H, W)."""
 
     def __init__(self, cin: int, cout: int, kernel: Sequence[int], *, stride: Sequence[int] | int = 1,
-                 padding: Sequence[Tuple[int, int]] | None = None, bias: bool = True,
+                 padding: Sequence[tuple[int, int]] | None = None, bias: bool = True,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         kernel = tuple(int(k) for k in kernel)
         nd = len(kernel)
@@ -155,7 +155,7 @@ class GroupNorm(nnx.Module):
         return (y * self.weight[...] + self.bias[...]).astype(self.dtype)
 
 
-def gaussian_split(moments: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def gaussian_split(moments: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Channels-last moments `[..., 2L]` -> (mean, clamped logvar), each `[..., L]` in float32."""
     mean, logvar = jnp.split(moments.astype(jnp.float32), 2, axis=-1)
     return mean, jnp.clip(logvar, LOGVAR_MIN, LOGVAR_MAX)
@@ -177,7 +177,7 @@ class SpatialVAEConfig:
     in_channels: int = 3
     out_channels: int = 3
     # SDXL VAE (PixArt-alpha/pixart_sigma_sdxlvae_T5_diffusers, subfolder vae): (128, 256, 512, 512)
-    block_out_channels: Tuple[int, ...] = (128, 256, 512, 512)
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
     layers_per_block: int = 2
     latent_channels: int = 4
     norm_num_groups: int = 32
@@ -190,7 +190,7 @@ class SpatialVAEConfig:
         return 2 ** (len(self.block_out_channels) - 1)
 
     @classmethod
-    def from_diffusers(cls, cfg: dict, source: str = "config") -> "SpatialVAEConfig":
+    def from_diffusers(cls, cfg: dict, source: str = "config") -> SpatialVAEConfig:
         """From a diffusers `AutoencoderKL` config dict (config.json); unsupported variants raise."""
         n = len(cfg.get("block_out_channels", (64,)))
         down = tuple(cfg.get("down_block_types", ("DownEncoderBlock2D",) * n))
@@ -381,7 +381,7 @@ class AutoencoderKL(nnx.Module):
         self.quant_conv = _conv2d(2 * L, 2 * L, 1, rngs=rngs, dtype=dtype) if config.use_quant_conv else None
         self.post_quant_conv = _conv2d(L, L, 1, rngs=rngs, dtype=dtype) if config.use_post_quant_conv else None
 
-    def moments_nhwc(self, x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    def moments_nhwc(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, H, W, 3] -> (mean, logvar) [N, H/f, W/f, L] float32."""
         m = self.encoder(x)
         if self.quant_conv is not None:
@@ -394,7 +394,7 @@ class AutoencoderKL(nnx.Module):
             z = self.post_quant_conv(z.astype(self.dtype))
         return self.decoder(z).astype(jnp.float32)
 
-    def encode_moments(self, x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    def encode_moments(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, C, H, W] -> (mean, logvar) [B, L, H/f, W/f]."""
         mean, logvar = self.moments_nhwc(rearrange(x, "b c h w -> b h w c"))
         return rearrange(mean, "b h w c -> b c h w"), rearrange(logvar, "b h w c -> b c h w")
@@ -422,8 +422,8 @@ class TemporalVAEConfig:
     embed_dim: int = 4
     filters: int = 128
     num_res_blocks: int = 4
-    channel_multipliers: Tuple[int, ...] = (1, 2, 2, 4)
-    temporal_downsample: Tuple[bool, ...] = (False, True, True)
+    channel_multipliers: tuple[int, ...] = (1, 2, 2, 4)
+    temporal_downsample: tuple[bool, ...] = (False, True, True)
     num_groups: int = 32
 
     @property
@@ -559,7 +559,7 @@ class TemporalVAE(nnx.Module):
         f = self.config.time_downsample_factor
         return (f - num_frames % f) % f
 
-    def moments(self, x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    def moments(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, T, H, W, C] -> (mean, clamped logvar) [N, ceil(T/4), H, W, embed_dim], float32.
         Zeros are prepended in time to a multiple of 4 (VAE_Temporal.encode)."""
         pad = self.time_padding(x.shape[1])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
 
 Rules = Sequence[tuple[str, object]]  # (logical name, mesh axis | tuple of axes | None)
-_RULES: contextvars.ContextVar[Optional[Rules]] = contextvars.ContextVar("jaxsora_rules", default=None)
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jaxsora_rules", default=None)
 
 
 @contextlib.contextmanager
@@ -27,7 +27,7 @@ def logical_rules(rules: Rules) -> Iterator[None]:
         _RULES.reset(token)
 
 
-def logical_to_spec(names: Sequence[Optional[str]], rules: Rules) -> PartitionSpec:
+def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """Map logical axis names to a PartitionSpec; a mesh axis is used at most once."""
     table = dict(rules)
     used: set = set()
@@ -61,7 +61,7 @@ def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
     return PartitionSpec(*fixed)
 
 
-def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     rules = _RULES.get()
     if rules is None:
         return x

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Optional
 
 from jaxsora.errors import UserError
 
@@ -98,7 +97,7 @@ def _explicit(coordinator, num_processes, process_id, env) -> tuple[dict, dict]:
     return values, origins
 
 
-def _label(origins: dict, cluster: Optional[str]) -> str:
+def _label(origins: dict, cluster: str | None) -> str:
     """Where the settings came from, in words: 'flags', 'JAX_* variables', 'slurm (detected by jax)', or a mix."""
     kinds = []
     for origin in origins.values():
@@ -109,8 +108,8 @@ def _label(origins: dict, cluster: Optional[str]) -> str:
     return " + ".join(kinds)
 
 
-def plan(coordinator: Optional[str] = None, num_processes: Optional[int] = None, process_id: Optional[int] = None,
-         env=None, timeout: Optional[int] = None) -> tuple[Optional[dict], str]:
+def plan(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+         env=None, timeout: int | None = None) -> tuple[dict | None, str]:
     """(initialize() arguments or None for a single process, where they came from in words).
 
     `env` holds the explicit JAX_* variables (default os.environ); the cluster detection is jax's and
@@ -176,13 +175,13 @@ def _check(values: dict, origins: dict, source: str) -> None:
         raise DistributedError(f"{named('coordinator_address')} needs a port: host:port")
 
 
-def resolve(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-            process_id: Optional[int] = None, env=None) -> Optional[dict]:
+def resolve(coordinator: str | None = None, num_processes: int | None = None,
+            process_id: int | None = None, env=None) -> dict | None:
     """The initialize() arguments this process should use, or None for a single process."""
     return plan(coordinator, num_processes, process_id, env=env)[0]
 
 
-def _timeout(timeout: Optional[int]) -> int:
+def _timeout(timeout: int | None) -> int:
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV, "")
         timeout = _int(raw, TIMEOUT_ENV) if raw != "" else DEFAULT_TIMEOUT
@@ -191,8 +190,8 @@ def _timeout(timeout: Optional[int]) -> int:
     return int(timeout)
 
 
-def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None, timeout: Optional[int] = None) -> bool:
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout: int | None = None) -> bool:
     """Initialize jax.distributed once if this is a multi-process run; returns whether it is initialized.
 
     `timeout`: seconds to wait for every process to connect (default: JAXSORA_INIT_TIMEOUT, else 300).

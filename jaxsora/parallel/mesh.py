@@ -12,7 +12,7 @@ The batch is split over `data × fsdp`; every step is one bucket for the whole m
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import jax
 
@@ -49,7 +49,7 @@ def mesh_shape(mesh_cfg: Mapping, num_devices: int) -> dict[str, int]:
     return shape
 
 
-def make_mesh(mesh_cfg: Mapping, devices: Optional[list] = None) -> jax.sharding.Mesh:
+def make_mesh(mesh_cfg: Mapping, devices: list | None = None) -> jax.sharding.Mesh:
     """The run's mesh, with Auto axis types (logical-rule sharding; see design.md)."""
     devices = list(devices if devices is not None else jax.devices())
     shape = mesh_shape(mesh_cfg, len(devices))

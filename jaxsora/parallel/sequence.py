@@ -7,7 +7,7 @@ runs locally, and a second all-to-all trades back. Numerically the same as unsha
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsora.parallel.mesh import BATCH_AXES
 
 
-def ulysses_attention(q, k, v, *, mesh: Optional[jax.sharding.Mesh], axis_name: str,
+def ulysses_attention(q, k, v, *, mesh: jax.sharding.Mesh | None, axis_name: str,
                       attn_fn: Callable, batch_axes=BATCH_AXES):
     """q/k/v: [R, S, H, Dh] with S sharded over `axis_name` (R over the batch axes).
 

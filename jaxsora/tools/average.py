@@ -46,7 +46,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Host work only: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -73,7 +74,7 @@ def _note(msg: str):
 # ----------------------------------------------------------------------------------------------
 # arguments
 # ----------------------------------------------------------------------------------------------
-def parse_steps(text: Optional[str]) -> list[int]:
+def parse_steps(text: str | None) -> list[int]:
     if text is None:
         return []
     try:
@@ -85,7 +86,7 @@ def parse_steps(text: Optional[str]) -> list[int]:
     return steps
 
 
-def parse_weights(text: Optional[str], n: int) -> list[float]:
+def parse_weights(text: str | None, n: int) -> list[float]:
     """The weights of n inputs from `--weights` ("0.2,0.3,0.5"; None: uniform), normalized to sum 1."""
     if text is None:
         return normalize_weights(None, n)
@@ -96,7 +97,7 @@ def parse_weights(text: Optional[str], n: int) -> list[float]:
     return normalize_weights(raw, n)
 
 
-def normalize_weights(weights: Optional[Sequence[float]], n: int) -> list[float]:
+def normalize_weights(weights: Sequence[float] | None, n: int) -> list[float]:
     """n finite non-negative weights, not all zero, divided by their sum (None: uniform)."""
     if weights is None:
         return [1.0 / n] * n
@@ -258,8 +259,8 @@ class Source:
     step: int
     weight: float
     fields: dict
-    record: Optional[dict]  # its integrity record (None: older than integrity records)
-    config: Optional[dict]
+    record: dict | None  # its integrity record (None: older than integrity records)
+    config: dict | None
 
     @property
     def name(self) -> str:
@@ -353,7 +354,7 @@ def _groups(entries: Sequence[Entry], budget: int) -> list[list[int]]:
 class _Lazy:
     """An output array that is computed when orbax writes it (see `_StreamingHandler`)."""
 
-    def __init__(self, job: "_ItemJob", index: int):
+    def __init__(self, job: _ItemJob, index: int):
         import numpy as np
 
         e = job.entries[index]
@@ -405,7 +406,7 @@ class _ItemJob:
         self.group_of = {i: g for g in self.groups for i in g}
         self.ready: dict[int, Any] = {}
         self.bar, self.arrays = bar, arrays
-        self.differs: Optional[str] = None  # a non-float array that is not the same in every input
+        self.differs: str | None = None  # a non-float array that is not the same in every input
 
     def tree(self):
         """{out_field: tree of _Lazy} shaped as the first source's stored tree of the field."""
@@ -470,7 +471,7 @@ def _save_json(item_dir: str, value) -> None:
 # ----------------------------------------------------------------------------------------------
 # the whole command
 # ----------------------------------------------------------------------------------------------
-def _frozen_differs(sources: Sequence[Source]) -> Optional[str]:
+def _frozen_differs(sources: Sequence[Source]) -> str | None:
     """The first frozen array whose recorded fingerprint differs between inputs (records only: no reads)."""
     base = sources[0].record
     if base is None:
@@ -484,7 +485,7 @@ def _frozen_differs(sources: Sequence[Source]) -> Optional[str]:
     return None
 
 
-def _first_difference(a: dict, b: dict, prefix: str = "") -> Optional[str]:
+def _first_difference(a: dict, b: dict, prefix: str = "") -> str | None:
     for k in sorted(set(a) | set(b)):
         x, y = a.get(k), b.get(k)
         if isinstance(x, dict) and isinstance(y, dict):
@@ -496,8 +497,8 @@ def _first_difference(a: dict, b: dict, prefix: str = "") -> Optional[str]:
     return None
 
 
-def average(inputs: Sequence[str], out: str, *, weights: Optional[Sequence[float]] = None, ema: bool = False,
-            out_step: Optional[int] = None, overwrite: bool = False, progress: Optional[bool] = None) -> dict:
+def average(inputs: Sequence[str], out: str, *, weights: Sequence[float] | None = None, ema: bool = False,
+            out_step: int | None = None, overwrite: bool = False, progress: bool | None = None) -> dict:
     """Write the average of the step folders `inputs` as `out/<step>/` (see the module docstring).
     weights: one per input, normalized here (None: uniform). progress: a tqdm bar (None: on a
     terminal). Returns {"step_dir", "step", "weights", "items": {item: arrays}, "bytes"}."""
@@ -662,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.out_step is not None and args.out_step < 0:
         raise BadInput(f"--out-step must be >= 0, got {args.out_step}")
@@ -676,7 +677,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def run(argv: Optional[Sequence[str]] = None) -> int:
+def run(argv: Sequence[str] | None = None) -> int:
     return run_cli(PROG, lambda: main(argv), argv)
 
 

@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 # Host work only: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
 from jaxsora.cli import HelpFormatter as _Help
+from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
 
 PROG = "jaxsora.tools.lora"
 TORCH_OUT = (".safetensors", ".pth", ".pt")
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------
 # reading
 # ----------------------------------------------------------------------------------------------
-def step_dir_of(path: str, step: Optional[int] = None) -> str:
+def step_dir_of(path: str, step: int | None = None) -> str:
     """The step folder of CKPT (run / checkpoints / step folder; newest step unless `step`)."""
     from jaxsora.train import checkpoint as ck
 
@@ -80,7 +80,7 @@ def step_dir_of(path: str, step: Optional[int] = None) -> str:
     return d
 
 
-def read_lora_checkpoint(path: str, *, step: Optional[int] = None, ema: bool = False):
+def read_lora_checkpoint(path: str, *, step: int | None = None, ema: bool = False):
     """(step folder, run config, LoRASpec, STDiT3Config, {path: numpy array} of the adapters (or
     their EMA) and the frozen base)."""
     from jaxsora.convert import native
@@ -163,7 +163,7 @@ def plain_model(cfg, flat: dict):
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def merge(path: str, out: str, *, step: Optional[int] = None, ema: bool = False, dtype: str = "fp32") -> dict:
+def merge(path: str, out: str, *, step: int | None = None, ema: bool = False, dtype: str = "fp32") -> dict:
     """See the module docstring. Returns {"out", "modules", "step_dir", "kind"}."""
     from jaxsora.models import lora
 
@@ -192,7 +192,7 @@ def merge(path: str, out: str, *, step: Optional[int] = None, ema: bool = False,
 # ----------------------------------------------------------------------------------------------
 # export-adapters
 # ----------------------------------------------------------------------------------------------
-def export_adapters(path: str, out: str, *, step: Optional[int] = None, ema: bool = False,
+def export_adapters(path: str, out: str, *, step: int | None = None, ema: bool = False,
                     dtype: str = "fp32") -> dict:
     from jaxsora.models import lora
 
@@ -208,7 +208,7 @@ def export_adapters(path: str, out: str, *, step: Optional[int] = None, ema: boo
     return dict(out=out, modules=modules, step_dir=step_dir, tensors=len(sd))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "merge":
         res = merge(args.ckpt, args.out, step=args.step, ema=args.ema, dtype=args.dtype)
@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def run(argv: Optional[Sequence[str]] = None) -> int:
+def run(argv: Sequence[str] | None = None) -> int:
     return run_cli(PROG, lambda: main(argv), argv)
 
 

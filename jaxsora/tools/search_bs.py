@@ -19,10 +19,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-from typing import Optional
 
 
-def search(config, *, fraction: float = 0.9, max_batch: Optional[int] = None, use_table: bool = True,
+def search(config, *, fraction: float = 0.9, max_batch: int | None = None, use_table: bool = True,
            threads: int = 0, progress: bool = True) -> dict:
     """{"bucket_config": {...}, "rows": [...], "limit": bytes}; see the module docstring."""
     from jaxsora.config import ConfigError
@@ -43,12 +42,12 @@ def search(config, *, fraction: float = 0.9, max_batch: Optional[int] = None, us
     sizes: dict = {}
     if use_table and config.data.get("table") and os.path.exists(config.data.table):
         loader = default_loader(config, setup.data_parallel_size, None)
-        for (res, t, h, w), nb, gb, rows in loader.describe_plan(0):
+        for (res, t, h, w), _nb, _gb, _rows in loader.describe_plan(0):
             best = sizes.get((res, t))
             if best is None or h * w > best[0] * best[1]:
                 sizes[(res, t)] = (h, w)
     for res, frames in buckets.items():
-        for f, (prob, bs) in frames.items():
+        for f, (_prob, bs) in frames.items():
             if bs is not None and (res, f) not in sizes:
                 sizes[(res, f)] = max(tables[res][1].values(), key=lambda hw: hw[0] * hw[1])
 

@@ -12,7 +12,8 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -137,8 +138,8 @@ class Encoders:
     caption_channels: int
     model_max_length: int
     text_from_cache: bool
-    text_inputs: Optional[TextInputs]
-    latents_dtype: Optional[str] = None  # set when the batches carry a feature cache's latents (no VAE)
+    text_inputs: TextInputs | None
+    latents_dtype: str | None = None  # set when the batches carry a feature cache's latents (no VAE)
 
     def video_spec(self, batch: int, size: Sequence[int]) -> dict:
         """Shape/dtype of the step's pixels for `batch` rows of pixel size (T, H, W): uint8 `video`,
@@ -213,10 +214,7 @@ def build_encoders(config, mesh: jax.sharding.Mesh, rules, *, abstract: bool = F
         return nnx.merge(te_graphdef, enc["t5"])(ids, mask).astype(jnp.float32)
 
     shardings = tree_shardings(weights, mesh, rules)
-    if abstract:
-        weights = abstract_with_shardings(weights, shardings)
-    else:
-        weights = jax.device_put(weights, shardings)
+    weights = abstract_with_shardings(weights, shardings) if abstract else jax.device_put(weights, shardings)
     return Encoders(weights, encode_video, encode_text, vae.get_latent_size, int(vae.out_channels), int(cap),
                     int(max_len), cache is not None, text_inputs)
 
@@ -225,8 +223,8 @@ def _feature_encoders(config) -> Encoders:
     """`data.features`: the batches carry latents and text states, so neither the VAE nor T5 is
     loaded; only their shapes are read (the VAE's latent sizes, from its architecture). The
     config's encoders must be those the features were made with — they sample its checkpoints."""
-    from jaxsora.errors import ConfigError
     from jaxsora.data.features import FeatureStore
+    from jaxsora.errors import ConfigError
 
     store = FeatureStore(config.data.features)
     ours, theirs = frozen_encoder_configs(config), {k: store.manifest.get(k) for k in ("vae", "text_encoder")}

@@ -60,7 +60,7 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
             plan = evaluator.data.describe()
             print(f"eval plan ({len(evaluator.data.plan)} batches × {evaluator.num_timesteps} timesteps): "
                   + ", ".join(f"{k} {r} rows in {n} batches" for k, (r, n) in plan.items()))
-            for name, (res, t, h, w), gb, info in eval_rows:
+            for name, (_res, t, h, w), gb, info in eval_rows:
                 fits = "?" if not limit else ("yes" if info.peak_bytes <= limit else "NO")
                 print(f"  eval {name:<16} {t}×{h}×{w} global batch {gb:>4}: {info.peak_bytes / gib:8.2f} GiB per "
                       f"device, compiled in {info.seconds:.1f}s, fits {fits}")

@@ -35,12 +35,9 @@ and the decoded batches); this one runs the evaluation (`Evaluator`) and builds 
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 import collections
 import concurrent.futures
 import time
-from typing import Optional
 
 import jax
 import numpy as np
@@ -48,8 +45,17 @@ import numpy as np
 from jaxsora.diffusion import rflow
 from jaxsora.errors import UserError
 from jaxsora.train.eval_data import EvalBatch, EvalData, bucket_name, eval_plan, normalize_eval_buckets
-from jaxsora.train.eval_step import (EVAL_SEED, EvalStep, bucket_code, eval_batch_spec, eval_global_batch, eval_noise,
-                                     make_eval_fn, noise_key, vae_key)
+from jaxsora.train.eval_step import (
+    EVAL_SEED,
+    EvalStep,
+    bucket_code,
+    eval_batch_spec,
+    eval_global_batch,
+    eval_noise,
+    make_eval_fn,
+    noise_key,
+    vae_key,
+)
 
 __all__ = [
     "EVAL_SEED", "MAX_IN_FLIGHT", "EvalBatch", "EvalData", "EvalPlanError", "EvalStep", "Evaluator", "bucket_code",
@@ -87,7 +93,7 @@ class Evaluator:
     def spec(self, size: tuple, global_batch: int) -> dict:
         return eval_batch_spec(size, global_batch, self.setup.encoders.text_spec(global_batch), self.setup.mesh)
 
-    def compile(self, *, limit: Optional[int] = None, check: bool = True, progress: bool = True,
+    def compile(self, *, limit: int | None = None, check: bool = True, progress: bool = True,
                 threads: int = 1) -> list:
         """Compile every eval batch shape (traced one after another, compiled in `threads` threads);
         → [(name, (res, T, H, W), global batch, CompileInfo)]. With `check`, raise EvalPlanError naming
@@ -167,9 +173,9 @@ def check_config(config) -> None:
     """The eval settings that can be checked before any work (ConfigError naming the problem):
     the table's files and columns, the bucket config (with `data.resolutions`), the cached text
     states a `data.text_cache` run needs."""
-    from jaxsora.errors import ConfigError
     from jaxsora.data.buckets import validate_bucket_config
     from jaxsora.data.tables import check_table
+    from jaxsora.errors import ConfigError
 
     ecfg, dcfg = config.eval, config.data
     if not ecfg.get("table"):

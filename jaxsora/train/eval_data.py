@@ -6,7 +6,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import sys
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -79,8 +79,8 @@ class EvalData:
 
     def __init__(self, table: str, bucket_config, *, seed: int = EVAL_SEED, data_parallel_size: int = 1,
                  process_index: int = 0, process_count: int = 1, frame_interval: int = 1,
-                 extra_resolutions=None, max_batches_per_bucket: int = 0, index_dir: Optional[str] = None,
-                 text_inputs: Optional[Callable] = None, decode_threads: int = 1, progress: bool = True):
+                 extra_resolutions=None, max_batches_per_bucket: int = 0, index_dir: str | None = None,
+                 text_inputs: Callable | None = None, decode_threads: int = 1, progress: bool = True):
         from jaxsora.data.tables import TableIndex
 
         if index_dir and int(process_count) > 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
-def run_name(outdir: str, name: Optional[str] = None) -> str:
+def run_name(outdir: str, name: str | None = None) -> str:
     """The wandb run name: the run folder's name (`656-stdit3-xl2`), or `name` with the folder's
     experiment number in front (`656-<name>`, unless it starts with it already)."""
     from jaxsora.runs import run_number
@@ -69,9 +69,9 @@ def run_name(outdir: str, name: Optional[str] = None) -> str:
 
 
 class MetricLogger:
-    def __init__(self, config, outdir: str, *, resume_id: Optional[str] = None, enabled: bool = True,
-                 peak_flops: Optional[float] = None, num_devices: int = 1, total_steps: Optional[int] = None,
-                 epochs: Optional[int] = None):
+    def __init__(self, config, outdir: str, *, resume_id: str | None = None, enabled: bool = True,
+                 peak_flops: float | None = None, num_devices: int = 1, total_steps: int | None = None,
+                 epochs: int | None = None):
         self.enabled = enabled
         self.total_steps, self.epochs = total_steps, epochs  # for "step k/N", "epoch e/E" and the ETA
         self.outdir = outdir
@@ -79,7 +79,7 @@ class MetricLogger:
         self.run_id = resume_id
         self.peak_flops, self.num_devices = peak_flops, max(1, int(num_devices))
         self._t0 = time.time()
-        self._jsonl = open(os.path.join(outdir, "metrics.jsonl"), "a") if enabled else None
+        self._jsonl = open(os.path.join(outdir, "metrics.jsonl"), "a") if enabled else None  # noqa: SIM115 (the run's log)
         self._eval_jsonl = None
         wcfg = config.get("wandb", None)
         if enabled and wcfg is not None and wcfg.get("enabled", False):
@@ -95,7 +95,7 @@ class MetricLogger:
             )
             self.run_id = self.run.id
 
-    def log(self, rows: Sequence[dict], wall: float) -> Optional[dict]:
+    def log(self, rows: Sequence[dict], wall: float) -> dict | None:
         """rows: one dict per step of the interval (device metrics already fetched, plus the host's
         data_time, samples, tokens, epoch, bucket, skipped, nonfinite_total, and where known flops
         (model FLOPs of the step), bucket_name and step_time); wall: the interval's seconds. Prints
@@ -161,7 +161,7 @@ class MetricLogger:
         print(f"eval {step:>6} | loss {result['eval/loss']:.4f} ({result.get('eval/weights', 'params')}) | "
               + " ".join(parts) + f"{skipped} | {result.get('eval/seconds', 0.0):.1f}s", flush=True)
         if self._eval_jsonl is None:
-            self._eval_jsonl = open(os.path.join(self.outdir, "eval.jsonl"), "a")
+            self._eval_jsonl = open(os.path.join(self.outdir, "eval.jsonl"), "a")  # noqa: SIM115 (the run's log)
         self._eval_jsonl.write(json.dumps(result) + "\n")
         self._eval_jsonl.flush()
         if self.run is not None:

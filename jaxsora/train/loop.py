@@ -25,14 +25,13 @@ import collections
 import dataclasses
 import os
 import time
-from typing import Optional
 
 import jax
 
 from jaxsora.train import memory, run_folder
+from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.memory import EmptyPlanError  # noqa: F401  (re-exported)
 from jaxsora.train.run_folder import new_run_folder as _new_run_folder  # noqa: F401  (tests import it here)
-from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
 from jaxsora.train.step import batch_key, global_batch
 from jaxsora.train.supervise import RunLock, StopRequested, Watchdog, register_stack_dump, write_heartbeat
@@ -48,15 +47,15 @@ class NonFiniteError(RuntimeError):
 
 @dataclasses.dataclass
 class RunOptions:
-    data_path: Optional[str] = None
-    load: Optional[str] = None  # a run / checkpoints / step folder, or an experiment number (656)
-    step: Optional[int] = None  # with load: that checkpoint step (default: the newest intact one)
-    ckpt_path: Optional[str] = None
+    data_path: str | None = None
+    load: str | None = None  # a run / checkpoints / step folder, or an experiment number (656)
+    step: int | None = None  # with load: that checkpoint step (default: the newest intact one)
+    ckpt_path: str | None = None
     start_from_scratch: bool = False
-    outputs: Optional[str] = None
-    run_dir: Optional[str] = None  # exactly this run folder (default: the loaded run's, or a new numbered one)
+    outputs: str | None = None
+    run_dir: str | None = None  # exactly this run folder (default: the loaded run's, or a new numbered one)
     dry_run: bool = False
-    profile: Optional[str] = None  # "START:STOP": a jax.profiler trace of those steps
+    profile: str | None = None  # "START:STOP": a jax.profiler trace of those steps
 
 
 def _is_main() -> bool:
@@ -69,7 +68,7 @@ def _version():
     return __version__
 
 
-def _profile_range(spec: Optional[str]) -> Optional[tuple[int, int]]:
+def _profile_range(spec: str | None) -> tuple[int, int] | None:
     if not spec:
         return None
     try:

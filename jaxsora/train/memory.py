@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -37,14 +37,14 @@ class BucketMemory:
     per_device_batch: int
     tokens: int  # image tokens per sample
     info: CompileInfo
-    limit: Optional[int]  # device bytes, None when unknown
+    limit: int | None  # device bytes, None when unknown
 
     @property
-    def fits(self) -> Optional[bool]:
+    def fits(self) -> bool | None:
         return None if self.limit is None else self.info.peak_bytes <= self.limit
 
 
-def device_memory_limit(config) -> Optional[int]:
+def device_memory_limit(config) -> int | None:
     """Bytes one device may use: `train.device_memory_gib` when set (e.g. 80 to plan for an H100
     from a CPU dry run), else the device's own `bytes_limit` (GPU/TPU), else None (CPU)."""
     gib = float(config.train.get("device_memory_gib", 0) or 0)
@@ -62,7 +62,7 @@ def compile_threads(config) -> int:
     return n if n > 0 else max(1, min(8, os.cpu_count() or 1))
 
 
-def compile_buckets(setup, buckets: Sequence[tuple], *, limit: Optional[int], threads: int = 1,
+def compile_buckets(setup, buckets: Sequence[tuple], *, limit: int | None, threads: int = 1,
                     progress: bool = True) -> list[BucketMemory]:
     """buckets: [(bucket (res, T, H, W), global batch)]. The main thread lowers one bucket after
     another (tracing holds the GIL) and hands each to a pool where the XLA compiles run side by
@@ -94,7 +94,7 @@ def peak_bytes(setup, size: tuple, global_batch: int) -> int:
     return setup.step.compile(spec, setup.encoders.weights, keep=False).peak_bytes
 
 
-def largest_batch(setup, size: tuple, limit: int, start: int, *, cap: Optional[int] = None) -> int:
+def largest_batch(setup, size: tuple, limit: int, start: int, *, cap: int | None = None) -> int:
     """The largest per-device batch whose step fits in `limit` bytes, by compiling: peak memory is
     close to affine in the batch, so two compiles give an estimate, then a few more pin it down.
     `start`: a per-device batch to begin from; `cap`: never go above. 0 if one sample does not fit."""
@@ -156,7 +156,7 @@ def format_table(rows: Sequence[BucketMemory]) -> str:
     return "\n".join(lines)
 
 
-def refusal(setup, rows: Sequence[BucketMemory]) -> Optional[str]:
+def refusal(setup, rows: Sequence[BucketMemory]) -> str | None:
     """None when every bucket fits; else the message naming each bucket that does not, and the
     largest per-device batch that would."""
     bad = [r for r in rows if r.fits is False]

@@ -22,7 +22,7 @@ any device not in the table). CPU and unknown devices: None, and no MFU is logge
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 # (substring of the lower-cased jax device_kind, compute dtype) → dense peak FLOP/s per device.
 # First match wins, so the more specific names come first.
@@ -55,13 +55,13 @@ def train_flops_per_sample(cfg, latent: Sequence[int]) -> float:
     return 3.0 * forward_flops(cfg, latent, cfg.model_max_length)
 
 
-def device_peak_flops(device_kind: str, compute_dtype: str) -> Optional[float]:
+def device_peak_flops(device_kind: str, compute_dtype: str) -> float | None:
     kind = str(device_kind).lower()
     dtype = "bfloat16" if "bfloat16" in str(compute_dtype) or str(compute_dtype) in ("bf16",) else "float32"
     return next((v for (k, d), v in PEAK_FLOPS if k in kind and d == dtype), None)
 
 
-def peak_flops(config, devices=None) -> Optional[float]:
+def peak_flops(config, devices=None) -> float | None:
     """Peak FLOP/s of one device: `train.peak_flops` when > 0, else the table for the first local
     device and the model's compute dtype; None when unknown (CPU)."""
     override = float(config.train.get("peak_flops", 0.0) or 0.0)

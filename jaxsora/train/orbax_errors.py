@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import sys
-from typing import Optional
 
 import jax
 
@@ -43,7 +42,7 @@ def chain(exc):
     return out
 
 
-def io_failure(exc) -> Optional[str]:
+def io_failure(exc) -> str | None:
     """The reason (e.g. 'No space left on device') when `exc` is, or wraps, a filesystem error."""
     for e in chain(exc):
         if isinstance(e, OSError) and e.errno is not None:
@@ -87,7 +86,7 @@ class _OrbaxChatter(logging.Filter):
     warnings about metadata files of the item folders it reads, errors it also raises — which
     become one line)."""
 
-    def __init__(self, level: Optional[int] = None):
+    def __init__(self, level: int | None = None):
         super().__init__()
         self.level = level
 
@@ -98,7 +97,7 @@ class _OrbaxChatter(logging.Filter):
 
 
 @contextlib.contextmanager
-def quiet_orbax(level: Optional[int] = None):
+def quiet_orbax(level: int | None = None):
     """Orbax's log records below `level` (None: all of them) are dropped inside the block."""
     f = _OrbaxChatter(level)
     logger = logging.getLogger("absl")

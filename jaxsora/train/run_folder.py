@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
 
 import jax
 
@@ -24,7 +23,7 @@ def resolve_load_number(config, opts):
     return dataclasses.replace(opts, load=find_run(opts.load, config.train.outputs, what="--load"))
 
 
-def _loaded_run_folder(load: str, step) -> Optional[str]:
+def _loaded_run_folder(load: str, step) -> str | None:
     """The run folder a `--load` path belongs to (the parent of its `checkpoints/` folder), or None
     for a folder of step folders that is not a run's `checkpoints/`."""
     from jaxsora.train.checkpoint import resolve_checkpoint
@@ -33,7 +32,7 @@ def _loaded_run_folder(load: str, step) -> Optional[str]:
     return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else None
 
 
-def given_run_folder(opts) -> Optional[str]:
+def given_run_folder(opts) -> str | None:
     """--run-dir, else the loaded run's folder; None: a new numbered folder."""
     if opts.run_dir:
         if os.path.exists(opts.run_dir) and not os.path.isdir(opts.run_dir):
@@ -44,7 +43,7 @@ def given_run_folder(opts) -> Optional[str]:
     return None
 
 
-def _existing_run(path: str) -> Optional[str]:
+def _existing_run(path: str) -> str | None:
     """What in a folder shows that a run already wrote there (checkpoints, a metrics log), or None."""
     from jaxsora.train.checkpoint import checkpoint_steps
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
@@ -31,8 +31,16 @@ from jaxsora.models.stdit3 import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.optim import lr_schedule, make_optimizer
-from jaxsora.train.state import (StatePlan, TrainState, init_state_sharded, init_variables_sharded, model_variables,
-                                 plan_state, state_from_weights, with_variables)
+from jaxsora.train.state import (
+    StatePlan,
+    TrainState,
+    init_state_sharded,
+    init_variables_sharded,
+    model_variables,
+    plan_state,
+    state_from_weights,
+    with_variables,
+)
 from jaxsora.train.step import TrainStep, batch_spec, make_train_step
 
 
@@ -144,7 +152,7 @@ def weights_only_state(setup: RunSetup, path: str) -> TrainState:
     return state_from_weights(plan, *with_variables(plan, values))
 
 
-def _lora_weights_source(setup: RunSetup, path: str) -> Optional[lora_lib.LoRASpec]:
+def _lora_weights_source(setup: RunSetup, path: str) -> lora_lib.LoRASpec | None:
     """The LoRA spec of a `--ckpt-path` jaxsora checkpoint whose adapters this run continues (same
     rank, alpha and adapted layers), else None. Refuses a LoRA checkpoint the run cannot take
     (its params are adapters, its base model is in frozen/: read plainly, the adapters would be

@@ -22,7 +22,7 @@ state and the EMA hold adapters only and the whole base model (its Params, uncha
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ def split_model(model: STDiT3):
     return nnx.split(model, lora_lib.trainable_filter(model), ...)
 
 
-def build_model(config: STDiT3Config, seed: int, lora: Optional[lora_lib.LoRASpec] = None) -> STDiT3:
+def build_model(config: STDiT3Config, seed: int, lora: lora_lib.LoRASpec | None = None) -> STDiT3:
     """The model of a plan: STDiT3 from `seed`, with the LoRA adapters of `lora` (None: none)."""
     model = STDiT3(config, rngs=nnx.Rngs(seed))
     if lora is not None:
@@ -82,7 +82,7 @@ class StatePlan:
     abstract: TrainState  # ShapeDtypeStructs (inside nnx Variables, with their logical names)
     shardings: TrainState  # a NamedSharding per leaf
     traced_init: Any = None  # the traced initialization (`jax.stages.Traced`), compiled only if used
-    lora: Optional[lora_lib.LoRASpec] = None  # LoRA adapters (only they are trained), or None
+    lora: lora_lib.LoRASpec | None = None  # LoRA adapters (only they are trained), or None
 
     @property
     def abstract_sharded(self) -> TrainState:
@@ -98,7 +98,7 @@ class StatePlan:
 
 
 def plan_state(config: STDiT3Config, tx: optax.GradientTransformation, seed: int, mesh: jax.sharding.Mesh,
-               rules, lora: Optional[lora_lib.LoRASpec] = None) -> StatePlan:
+               rules, lora: lora_lib.LoRASpec | None = None) -> StatePlan:
     """Trace the initialization once: it yields the graphdef, the abstract state and — from the
     logical names each parameter carries — the shardings, which the traced program applies to its
     own outputs. Nothing is allocated; `init_state_sharded` compiles and runs that same trace."""

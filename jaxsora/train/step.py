@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ def make_train_step(
     encode_video: Callable[[jax.Array, jax.Array], jax.Array],
     encode_text: Callable[[jax.Array, jax.Array], jax.Array],
     scheduler_cfg: dict,
-    mask_ratios: Optional[dict],
+    mask_ratios: dict | None,
     ema_decay: float,
     lr_fn: Callable,
     max_norm_growth: float = 0.0,
@@ -134,7 +134,7 @@ def make_train_step(
 # the step's inputs
 # --------------------------------------------------------------------------------------------
 def batch_spec(size: tuple, batch: int, text_spec: dict, mesh: jax.sharding.Mesh,
-               video_spec: Optional[dict] = None) -> dict:
+               video_spec: dict | None = None) -> dict:
     """The step's batch as ShapeDtypeStructs (sharded over the batch axes) for a bucket of pixel
     size (T, H, W) and `batch` global rows — what `global_batch` makes of a loader batch.
     text_spec: {"ids": (shape, dtype), "text_mask": (shape, dtype)} (`Encoders.text_spec`);
@@ -180,7 +180,7 @@ class CompileInfo:
     output_bytes: int
     alias_bytes: int  # outputs that reuse donated inputs (the train state)
     temp_bytes: int  # activations and other scratch
-    flops: Optional[float]  # XLA's cost analysis of the partitioned program
+    flops: float | None  # XLA's cost analysis of the partitioned program
 
     @property
     def peak_bytes(self) -> int:
@@ -188,7 +188,7 @@ class CompileInfo:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @classmethod
-    def of(cls, compiled, seconds: float) -> "CompileInfo":
+    def of(cls, compiled, seconds: float) -> CompileInfo:
         m = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost

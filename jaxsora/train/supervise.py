@@ -18,6 +18,7 @@ one-owner lock of a run folder.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -26,7 +27,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -71,9 +71,9 @@ class Watchdog:
         self.factor, self.min_seconds, self.poll = factor, min_seconds, poll
         self.stream = stream
         self.times: dict[str, list[float]] = {}
-        self._phase: Optional[str] = None
+        self._phase: str | None = None
         self._start = 0.0
-        self._deadline: Optional[float] = None
+        self._deadline: float | None = None
         self._stop = threading.Event()
         self.dumps: list[str] = []  # the phases reported
         self._thread = threading.Thread(target=self._run, daemon=True, name="jaxsora-watchdog")
@@ -85,7 +85,7 @@ class Watchdog:
             return self.min_seconds
         return max(self.min_seconds, self.factor * float(np.median(hist[-_HISTORY:])))
 
-    def phase(self, name: Optional[str]) -> None:
+    def phase(self, name: str | None) -> None:
         """End the current phase (recording its duration) and start `name` (None: untimed)."""
         now = time.monotonic()
         if self._phase is not None:
@@ -124,10 +124,8 @@ class Watchdog:
         if phase == "data":
             workers = _children_with_usr1_handler()
             for pid in workers:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGUSR1)
-                except OSError:
-                    pass
             if workers:
                 print(f"[watchdog] asked loader workers {workers} for their stacks (on their stderr)", file=out,
                       flush=True)
@@ -150,10 +148,8 @@ class StopRequested:
         self._old = {}
         sigs = (signal.SIGINT,) if multi_process else (signal.SIGTERM, signal.SIGINT)
         for sig in sigs:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread
                 self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
 
     def _handle(self, signum, frame):
         if self.flag:  # second signal: give up immediately
@@ -213,7 +209,7 @@ class RunLock:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("start", 0)))
         return f"pid {info.get('pid')} on host {info.get('host')}, started {started}"
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         me = dict(host=socket.gethostname(), pid=os.getpid(), start=time.time(), argv=sys.argv)
         for _ in range(3):
@@ -231,8 +227,8 @@ class RunLock:
                 if info and (info.get("host") != me["host"] or _pid_alive(int(info.get("pid", -1)))):
                     raise RunLockedError(
                         f"{os.path.dirname(self.path)} is in use by another run ({self._describe(info)}); "
-                        f"give this run another folder (--run-dir, or no --run-dir for a new numbered one), or stop that one (if it is gone, "
-                        f"delete {self.path})")
+                        f"give this run another folder (--run-dir, or no --run-dir for a new numbered one), or "
+                        f"stop that one (if it is gone, delete {self.path})") from None
                 who = self._describe(info) if info else "unreadable"
                 print(f"[jaxsora] taking over the stale lock of a dead run ({who})", file=sys.stderr, flush=True)
                 stale = f"{self.path}.stale.{os.getpid()}"
@@ -279,7 +275,7 @@ _heartbeat_warned = False
 _stack_file = None  # kept open: faulthandler writes to its descriptor when the signal arrives
 
 
-def _proc_start(pid: int) -> Optional[str]:
+def _proc_start(pid: int) -> str | None:
     """A process's start time in clock ticks since boot (/proc/PID/stat field 22; None off Linux):
     with the pid, it tells a process from a later one that reused its pid."""
     try:
@@ -289,7 +285,7 @@ def _proc_start(pid: int) -> Optional[str]:
         return None
 
 
-def write_heartbeat(run_dir: str, process_index: int, step: Optional[int], **extra) -> Optional[str]:
+def write_heartbeat(run_dir: str, process_index: int, step: int | None, **extra) -> str | None:
     """Write `<run_dir>/heartbeat/<process_index>.json` = {"step", "time", "pid", "host", "process",
     "pid_start", **extra} atomically (a temporary file, then `os.replace`), so a reader never sees
     half a file. Cheap (one small file); call it every log step (step None: not known yet, e.g. at
@@ -331,7 +327,7 @@ def register_stack_dump(path_or_dir: str, process_index: int = 0) -> str:
     else:
         path = os.path.join(path_or_dir, STACKS_DIR, f"{int(process_index)}.txt")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    f = open(path, "a", buffering=1)
+    f = open(path, "a", buffering=1)  # noqa: SIM115 (kept open: faulthandler writes to it on the signal)
     f.write(f"# jaxsora stacks of process {process_index}, pid {os.getpid()} on {socket.gethostname()}; "
             f"every `kill -{STACK_DUMP_SIGNAL.name[3:]} {os.getpid()}` appends all threads' stacks\n")
     faulthandler.register(STACK_DUMP_SIGNAL, file=f, all_threads=True, chain=False)

@@ -1,6 +1,7 @@
 """Fakes for the cluster tool: an `ssh` that ignores the host and runs the command here (with
 `$FAKE_HOSTBIN/<host>` first on PATH, for per-host `nvidia-smi`, `date`, `hostname`), and SLURM's
 `squeue`/`scontrol`/`srun`. No real ssh, GPU or SLURM is needed."""
+import contextlib
 import json
 import os
 import shutil
@@ -123,10 +124,8 @@ class Cluster:
         for e in entries:
             if e["pid"] == os.getpid():  # a test may record itself as a live "trainer"
                 continue
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(e["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ model = R.build(cfg, seed=123)
 missing, unexpected = R.load_state_dict(model, weights, strict=True)
 assert not missing and not unexpected, (missing, unexpected)
 io = np.load(io_path)
-get = lambda k: io[k] if k in io else None  # noqa: E731
+get = lambda k: io[k] if k in io else None  # noqa: E731, SIM401 (an NpzFile)
 out = R.forward(model, io["x"], io["timestep"], io["y"], get("mask"), x_mask=get("x_mask"),
                 fps=get("fps"), height=get("height"), width=get("width"))
 res = {"out": out}

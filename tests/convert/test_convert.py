@@ -9,8 +9,13 @@ import pytest
 from flax import nnx
 
 from jaxsora.convert import (
-    from_torch_state_dict, load_model, read_state_dict, save_torch_state_dict, save_weights,
-    to_torch_state_dict, torch_shapes,
+    from_torch_state_dict,
+    load_model,
+    read_state_dict,
+    save_torch_state_dict,
+    save_weights,
+    to_torch_state_dict,
+    torch_shapes,
 )
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3, param_count

@@ -33,7 +33,7 @@ CFG = dict(depth=3, hidden_size=96, num_heads=6, patch_size=[1, 2, 2], in_channe
 def _randomize(model, seed):
     """Perturb every weight (our init zeroes temporal outputs and the fps MLP's last layer)."""
     rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for _path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = np.asarray(var[...])
         var[...] = jax.numpy.asarray(v + 0.05 * rng.standard_normal(v.shape).astype(np.float32))
 

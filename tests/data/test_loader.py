@@ -2,6 +2,7 @@
 epochs), refusal of changed data, a moved dataset accepted, bad files and bad rows (skipped,
 counted per reason, replayed on resume), two jax.distributed hosts, nothing left behind (worker
 processes after a kill -9, shared memory, temporary table indexes)."""
+import contextlib
 import json
 import os
 import pickle
@@ -456,10 +457,8 @@ def test_workers_exit_when_the_trainer_is_killed(dataset, tmp_path):
         assert not _alive(children), [c.cmdline() for c in _alive(children)]
     finally:  # on failure: stop what the test started; the resource tracker then cleans up and exits
         for p in [proc] + [c for c in _alive(children) if "resource_tracker" not in " ".join(c.cmdline())]:
-            try:
+            with contextlib.suppress(Exception):
                 p.kill()
-            except Exception:
-                pass
         proc.stdout.close()
 
 

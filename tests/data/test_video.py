@@ -159,8 +159,9 @@ def _texture_clip(n, h=48, w=64, seed=0, grain=8):
 
 def _encode(path, frames, *, codec="libx264", fps=24, options=None, pts=None, rotation=0.0):
     """Write frames with explicit encoder options (GOP, B-frames) and optionally explicit timestamps."""
-    import av
     from fractions import Fraction
+
+    import av
 
     with av.open(str(path), "w") as c:
         s = c.add_stream(codec, rate=fps)

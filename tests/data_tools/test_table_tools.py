@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from data_tools import dedup, filter as filter_tool, merge, split, stats
+from data_tools import dedup, merge, split, stats
+from data_tools import filter as filter_tool
 from jaxsora.data.buckets import Buckets
 from jaxsora.data.plan import epoch_plan
 from jaxsora.data.tables import read_table

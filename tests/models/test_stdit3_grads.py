@@ -4,7 +4,6 @@ The forward is checked in test_stdit3_parity.py; this checks the backward (writt
 VJP, modulation, masks) through the real training loss: every trained parameter's gradient, by
 state-dict name, with x_mask and text masks of different lengths.
 """
-import jax
 import numpy as np
 import pytest
 from flax import nnx

@@ -2,7 +2,8 @@
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsora.convert import from_torch_state_dict, read_state_dict
 from jaxsora.models.layers import attention

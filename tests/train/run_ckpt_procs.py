@@ -17,7 +17,8 @@ from jaxsora.parallel.distributed import initialize  # noqa: E402
 initialize()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxsora.train.checkpoint import Checkpointer, restore  # noqa: E402
 

@@ -17,13 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsora import ckpt as ckpt_cli
 from jaxsora.train import checkpoint as ck
 from jaxsora.train import fingerprint as fp
-from jaxsora.train.checkpoint import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError, Checkpointer,
-                                      resolve_checkpoint, restore)
+from jaxsora.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    resolve_checkpoint,
+    restore,
+)
 from tests.train.common import REPO
 
 

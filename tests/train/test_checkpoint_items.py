@@ -8,6 +8,7 @@ version of `Checkpointer` did.
 
 The first half uses a small TrainState-like tree on the 8-device fsdp mesh (seconds); the second a
 real 2-step training run of the loop tests' small config (the model, nnx.State, optax tuples)."""
+import contextlib
 import json
 import os
 import shutil
@@ -17,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsora import ckpt as ckpt_cli
 from jaxsora.train import checkpoint as ck
 from jaxsora.train import fingerprint as fp
-from jaxsora.train.checkpoint import CheckpointError, Checkpointer, restore
+from jaxsora.train.checkpoint import Checkpointer, CheckpointError, restore
 from tests.train.test_checkpoint import _abstract, _assert_tree_equal, _flip_bytes, _mesh, _no_traceback
 
 OLD_ITEMS = ("state", "config", "data", "meta")
@@ -98,10 +100,8 @@ def _poison(item_dir):
 def _unpoison(path):
     for d, dirs, _ in os.walk(str(path)):
         for name in dirs:
-            try:
+            with contextlib.suppress(OSError):
                 os.chmod(os.path.join(d, name), 0o755)
-            except OSError:
-                pass
 
 
 def _weights(tree: dict) -> dict:

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from jaxsora.tools.search_bs import search
 from jaxsora.train import memory
 from jaxsora.train.loop import RunOptions, train
 from jaxsora.train.setup import setup_run
-from jaxsora.tools.search_bs import search
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 

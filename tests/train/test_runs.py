@@ -7,8 +7,16 @@ import socket
 import pytest
 
 from jaxsora.errors import UserError
-from jaxsora.runs import (CLAIMS_DIR, find_run, format_table, list_runs, new_run_dir, next_run_number,
-                          run_folder_name, run_number)
+from jaxsora.runs import (
+    CLAIMS_DIR,
+    find_run,
+    format_table,
+    list_runs,
+    new_run_dir,
+    next_run_number,
+    run_folder_name,
+    run_number,
+)
 
 
 def _run(root, name, *, steps, complete, lock_pid=None):

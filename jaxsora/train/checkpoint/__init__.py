@@ -67,17 +67,40 @@ The package, by concern: `layout` (items, errors, finding steps), `integrity` (t
 Everything is imported from `jaxsora.train.checkpoint`, as before the split.
 """
 from jaxsora.train.checkpoint.integrity import _integrity_doc, _json_digest, write_integrity_record
-from jaxsora.train.checkpoint.layout import (ARRAY_ITEMS, CHECKPOINT_FORMAT, FINGERPRINT_METHOD, INTEGRITY_FILE,
-                                             INTEGRITY_FORMAT, ITEMS, JSON_ITEMS, LEGACY_ITEM, OPT_ITEM, TMP_SUFFIX,
-                                             WEIGHT_ITEMS, CheckpointError, CheckpointNotFoundError,
-                                             CheckpointWriteError, checkpoint_steps, has_weights, is_legacy_layout,
-                                             item_of, resolve_checkpoint, split_items, unfinished_saves)
+from jaxsora.train.checkpoint.layout import (
+                                             ARRAY_ITEMS,
+                                             CHECKPOINT_FORMAT,
+                                             FINGERPRINT_METHOD,
+                                             INTEGRITY_FILE,
+                                             INTEGRITY_FORMAT,
+                                             ITEMS,
+                                             JSON_ITEMS,
+                                             LEGACY_ITEM,
+                                             OPT_ITEM,
+                                             TMP_SUFFIX,
+                                             WEIGHT_ITEMS,
+                                             CheckpointError,
+                                             CheckpointNotFoundError,
+                                             CheckpointWriteError,
+                                             checkpoint_steps,
+                                             has_weights,
+                                             is_legacy_layout,
+                                             item_of,
+                                             resolve_checkpoint,
+                                             split_items,
+                                             unfinished_saves,
+)
 from jaxsora.train.checkpoint.orbax_io import _host_item, item_metadata_tree
 from jaxsora.train.checkpoint.restore_state import check_resumable, restore
 from jaxsora.train.checkpoint.save import Checkpointer
 from jaxsora.train.checkpoint.verify import StepReport, folder_bytes, step_contents, verify_step
-from jaxsora.train.checkpoint.weights import (LEGACY_EXTRA_FIELDS, read_json_item, read_weights, verify_arrays,
-                                              weight_fields)
+from jaxsora.train.checkpoint.weights import (
+                                             LEGACY_EXTRA_FIELDS,
+                                             read_json_item,
+                                             read_weights,
+                                             verify_arrays,
+                                             weight_fields,
+)
 
 __all__ = [
     "ARRAY_ITEMS", "CHECKPOINT_FORMAT", "FINGERPRINT_METHOD", "INTEGRITY_FILE", "INTEGRITY_FORMAT", "ITEMS",

@@ -5,16 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Optional
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxsora.train.checkpoint.layout import (FINGERPRINT_METHOD, INTEGRITY_FILE, INTEGRITY_FORMAT, _array_item,
-                                             _Unusable)
-from jaxsora.train.fingerprint import (array_name, device_fingerprints, fetch_fingerprints, format_fingerprint,
-                                       host_fingerprint)
+from jaxsora.train.checkpoint.layout import FINGERPRINT_METHOD, INTEGRITY_FILE, INTEGRITY_FORMAT, _array_item, _Unusable
+from jaxsora.train.fingerprint import (
+    array_name,
+    device_fingerprints,
+    fetch_fingerprints,
+    format_fingerprint,
+    host_fingerprint,
+)
 from jaxsora.train.orbax_errors import one_line_error, write_json_atomic
 
 
@@ -24,7 +27,7 @@ def _json_digest(obj) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def _read_record(step_dir: str) -> Optional[dict]:
+def _read_record(step_dir: str) -> dict | None:
     """The step's integrity record; None for a checkpoint older than integrity records.
     Raises _Unusable when the record is missing from a new-format checkpoint, or broken."""
     path = os.path.join(step_dir, INTEGRITY_FILE)
@@ -47,7 +50,7 @@ def _read_record(step_dir: str) -> Optional[dict]:
     return rec
 
 
-def _recorded_items(record: Optional[dict]) -> Optional[set]:
+def _recorded_items(record: dict | None) -> set | None:
     """The array items a (format 2) record says were written; None when it does not say."""
     items = record.get("items") if isinstance(record, dict) else None
     return set(items) if isinstance(items, dict) else None
@@ -72,7 +75,7 @@ def _compare(record: dict, names: list, info: list, fps: list, items=None, *, su
         raise _Unusable(f"checksum mismatch in {bad[0]}{more}")
 
 
-def _check_json_digest(record: Optional[dict], name: str, value) -> None:
+def _check_json_digest(record: dict | None, name: str, value) -> None:
     """Raise _Unusable when a JSON item read differs from its checksum in the record (no record,
     or no checksum of that item: nothing to check)."""
     want = ((record or {}).get("json_sha256") or {}).get(name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 import jax
 
@@ -56,7 +55,7 @@ def item_of(field: str) -> str:
     return field if field in WEIGHT_ITEMS else OPT_ITEM
 
 
-def _array_item(name: str, entry: Optional[dict] = None) -> str:
+def _array_item(name: str, entry: dict | None = None) -> str:
     """The item of an array of the integrity record (format 1 records name none: from the name)."""
     item = entry.get("item") if isinstance(entry, dict) else None
     return item if item else item_of(name.split(".", 1)[0])
@@ -105,7 +104,7 @@ def _numeric_children(path: str) -> list[int]:
     return sorted(int(d) for d in names if d.isdigit() and os.path.isdir(os.path.join(path, d)))
 
 
-def resolve_checkpoint(path: str, step: Optional[int] = None) -> tuple[str, Optional[int]]:
+def resolve_checkpoint(path: str, step: int | None = None) -> tuple[str, int | None]:
     """(checkpoints root, step or None) from a run's outputs folder, a `checkpoints/` folder or
     one step folder `checkpoints/N` (which means step N; a different `step` is an error).
     Raises CheckpointNotFoundError for a missing folder, a folder without any `<step>/` folder, or

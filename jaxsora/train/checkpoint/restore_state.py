@@ -4,18 +4,42 @@ mesh's shardings, verified, falling back to older steps; the older `state/` layo
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxsora.train.checkpoint.integrity import (_check_json_digest, _compare, _fingerprints, _read_record,
-                                                _recorded_items)
-from jaxsora.train.checkpoint.layout import (_REPLACE_STEPS, ARRAY_ITEMS, INTEGRITY_FILE, ITEMS, JSON_ITEMS,
-                                             LEGACY_ITEM, OPT_ITEM, CheckpointError, _array_item, _check_items,
-                                             _entries, _fields, _join, _MissingItem, _no_opt_state, _read_json_item,
-                                             _Unusable, checkpoint_steps, has_weights, is_legacy_layout, item_of,
-                                             resolve_checkpoint)
+from jaxsora.train.checkpoint.integrity import (
+    _check_json_digest,
+    _compare,
+    _fingerprints,
+    _read_record,
+    _recorded_items,
+)
+from jaxsora.train.checkpoint.layout import (
+    _REPLACE_STEPS,
+    ARRAY_ITEMS,
+    INTEGRITY_FILE,
+    ITEMS,
+    JSON_ITEMS,
+    LEGACY_ITEM,
+    OPT_ITEM,
+    CheckpointError,
+    _array_item,
+    _check_items,
+    _entries,
+    _fields,
+    _join,
+    _MissingItem,
+    _no_opt_state,
+    _read_json_item,
+    _Unusable,
+    checkpoint_steps,
+    has_weights,
+    is_legacy_layout,
+    item_of,
+    resolve_checkpoint,
+)
 from jaxsora.train.checkpoint.orbax_io import _host_item, _restore_tree
 from jaxsora.train.orbax_errors import install_noise_filters, one_line_error, quiet_orbax, say
 
@@ -32,7 +56,7 @@ def _expand_items(items) -> tuple:
     return tuple(out)
 
 
-def restore(directory: str, target, *, step: Optional[int] = None, items: tuple = ITEMS,
+def restore(directory: str, target, *, step: int | None = None, items: tuple = ITEMS,
             verify: bool = True) -> dict[str, Any]:
     """Restore `items` of a checkpoint: `directory` is a run's outputs folder, its `checkpoints/`
     folder, or one step folder `checkpoints/N` (= step N).
@@ -79,7 +103,7 @@ def restore(directory: str, target, *, step: Optional[int] = None, items: tuple 
                           + "; ".join(f"step {s} ({why})" for s, why in skipped))
 
 
-def check_resumable(directory: str, step: Optional[int] = None) -> None:
+def check_resumable(directory: str, step: int | None = None) -> None:
     """--load's early check, from the folders alone (nothing is read; meant to run before anything
     compiles): raises the CheckpointError `restore` would raise when the step it would resume from —
     the one asked for, or the newest one with every JSON item — lacks the opt_state item (a copy of
@@ -94,7 +118,7 @@ def check_resumable(directory: str, step: Optional[int] = None) -> None:
         raise CheckpointError(f"checkpoint step {s} in {root} {_no_opt_state(step_dir)}")
 
 
-def _candidates(root: str, named: Optional[int]) -> list[int]:
+def _candidates(root: str, named: int | None) -> list[int]:
     """The steps to try, in order: the one named, or every step from the newest."""
     return [int(named)] if named is not None else checkpoint_steps(root)[::-1]
 
@@ -104,7 +128,7 @@ def _item_fields(tfields: dict, items) -> dict:
     return {f: v for f, v in tfields.items() if item_of(f) in items}
 
 
-def _restore_step(root: str, step: int, target, items, verify: bool) -> tuple[dict, Optional[str]]:
+def _restore_step(root: str, step: int, target, items, verify: bool) -> tuple[dict, str | None]:
     """(restored items, note or None) of one step; raises _Unusable."""
     step_dir = os.path.join(root, str(step))
     if not os.path.isdir(step_dir):

@@ -2,20 +2,28 @@
 with the integrity record written in orbax's finalize thread and failed writes cleaned up."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import shutil
 import threading
 import time
-from typing import Optional
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxsora.train.checkpoint.integrity import _integrity_doc, _json_digest
-from jaxsora.train.checkpoint.layout import (_REPLACE_STEPS, CHECKPOINT_FORMAT, INTEGRITY_FILE, ITEMS, TMP_SUFFIX,
-                                             CheckpointWriteError, _array_item, split_items)
+from jaxsora.train.checkpoint.layout import (
+    _REPLACE_STEPS,
+    CHECKPOINT_FORMAT,
+    INTEGRITY_FILE,
+    ITEMS,
+    TMP_SUFFIX,
+    CheckpointWriteError,
+    _array_item,
+    split_items,
+)
 from jaxsora.train.fingerprint import device_fingerprints, fetch_fingerprints
 from jaxsora.train.orbax_errors import fmt_bytes, install_noise_filters, io_failure, write_json_atomic
 
@@ -41,7 +49,7 @@ class Checkpointer:
     async_save: False waits for each save to be written before `save` returns.
     """
 
-    def __init__(self, directory: str, *, keep: Optional[int] = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True):
         if keep is not None and keep < 0:
             raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
         install_noise_filters()
@@ -49,8 +57,8 @@ class Checkpointer:
         self._key = os.path.realpath(self.directory)  # for _REPLACE_STEPS
         self.keep = None if not keep else int(keep)  # orbax: max_to_keep=0 would delete every step
         self.async_save = async_save
-        self._pending: Optional[_Pending] = None
-        self._in_flight: Optional[tuple[int, int]] = None  # (step, state bytes) of the save being written
+        self._pending: _Pending | None = None
+        self._in_flight: tuple[int, int] | None = None  # (step, state bytes) of the save being written
         self._lock = threading.Lock()
         self._closed = False
         self.manager = self._new_manager()
@@ -68,7 +76,7 @@ class Checkpointer:
             raise CheckpointWriteError(f"cannot create the checkpoint folder {self.directory}: "
                                        f"{io_failure(e)}") from None
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state, *, config: dict, data: dict, meta: dict, force: bool = False) -> bool:
@@ -130,10 +138,8 @@ class Checkpointer:
         try:
             self._wait_previous()
         finally:
-            try:
+            with contextlib.suppress(Exception):  # a failure already raised by _wait_previous
                 self.manager.close()
-            except Exception:  # noqa: BLE001 — a failure already raised by _wait_previous
-                pass
 
     def _remove_skipped_step(self, step: int):
         """Delete a step folder that restore skipped as corrupt, so this save can replace it."""
@@ -170,7 +176,7 @@ class Checkpointer:
         folder = tmp[-1] if tmp else os.path.join(self.directory, str(rec.step))
         write_json_atomic(os.path.join(folder, INTEGRITY_FILE), doc)
 
-    def _failed(self, step: Optional[int], nbytes: int, exc: BaseException):
+    def _failed(self, step: int | None, nbytes: int, exc: BaseException):
         """A save that raised: filesystem errors → remove the partial folder, fresh manager,
         CheckpointWriteError (raised from here); anything else returns (the caller re-raises)."""
         reason = io_failure(exc)
@@ -188,10 +194,8 @@ class Checkpointer:
             free = fmt_bytes(shutil.disk_usage(self.directory).free)
         except OSError:
             free = "unknown"
-        try:  # the failed manager re-raises its error on every call: replace it
+        with contextlib.suppress(Exception):  # the failed manager re-raises its error on every call: replace it
             self.manager.close()
-        except Exception:  # noqa: BLE001
-            pass
         self.manager = self._new_manager()
         what = f"checkpoint step {step}" if step is not None else "a checkpoint"
         raise CheckpointWriteError(
@@ -212,7 +216,5 @@ def _wait_for_orbax_writers(timeout: float = _WRITER_JOIN_SECONDS):
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and type(t).__module__.startswith("orbax.") and t.is_alive():
-            try:
+            with contextlib.suppress(Exception):  # orbax's join re-raises the thread's error, reported already
                 t.join(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 — orbax's join re-raises the thread's error, reported already
-                pass

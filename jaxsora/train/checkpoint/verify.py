@@ -2,15 +2,31 @@
 folder holds (`step_contents`) and whether every item matches its record (`verify_step`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
 import numpy as np
 
-from jaxsora.train.checkpoint.integrity import (_check_json_digest, _compare, _host_fingerprints, _read_record,
-                                                _recorded_items)
-from jaxsora.train.checkpoint.layout import (ARRAY_ITEMS, INTEGRITY_FILE, ITEMS, JSON_ITEMS, LEGACY_ITEM, OPT_ITEM,
-                                             _check_items, _entries, _read_json_item, _Unusable)
+from jaxsora.train.checkpoint.integrity import (
+    _check_json_digest,
+    _compare,
+    _host_fingerprints,
+    _read_record,
+    _recorded_items,
+)
+from jaxsora.train.checkpoint.layout import (
+    ARRAY_ITEMS,
+    INTEGRITY_FILE,
+    ITEMS,
+    JSON_ITEMS,
+    LEGACY_ITEM,
+    OPT_ITEM,
+    _check_items,
+    _entries,
+    _read_json_item,
+    _Unusable,
+)
 from jaxsora.train.checkpoint.orbax_io import _host_item, _item_metadata, item_metadata_tree
 from jaxsora.train.fingerprint import array_name
 from jaxsora.train.orbax_errors import install_noise_filters, one_line_error, quiet_orbax
@@ -30,10 +46,8 @@ def folder_bytes(path: str) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
     return total
 
 

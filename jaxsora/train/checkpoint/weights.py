@@ -3,16 +3,22 @@ step folder, in either layout, verified against the record; the optimizer's item
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
 from jaxsora.train.checkpoint.integrity import _check_json_digest, _compare, _fingerprints, _read_record
-from jaxsora.train.checkpoint.layout import (ARRAY_ITEMS, LEGACY_ITEM, CheckpointError, _fields, _read_json_item,
-                                             _Unusable, is_legacy_layout)
+from jaxsora.train.checkpoint.layout import (
+    ARRAY_ITEMS,
+    LEGACY_ITEM,
+    CheckpointError,
+    _fields,
+    _read_json_item,
+    _Unusable,
+    is_legacy_layout,
+)
 from jaxsora.train.checkpoint.orbax_io import _host_item, item_metadata_tree
 from jaxsora.train.orbax_errors import install_noise_filters, one_line_error, quiet_orbax
-
 
 # Fields of an older `state` item that may hold model variables besides params/ema.
 LEGACY_EXTRA_FIELDS = ("frozen", "buffers", "model_state")
@@ -69,7 +75,7 @@ def read_weights(step_dir: str, fields) -> dict:
     return out
 
 
-def verify_arrays(step_dir: str, tree) -> Optional[bool]:
+def verify_arrays(step_dir: str, tree) -> bool | None:
     """Check arrays read from a step folder (a tree whose key paths are their stored names, e.g.
     {"ema": {...}}; host or device arrays) against the step's integrity record: only these arrays
     are compared. True when they match, None for a checkpoint without a record (older, or a
