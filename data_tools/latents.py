@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from jaxsora.data import features as F
+from jaxsora.data.cache import np_dtype
 from jaxsora.errors import OutputExists
 
 # Rows per shard: a few hundred MB of 720p latents; the unit of resumption.
@@ -95,7 +96,7 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
     encoders_cfg = build.frozen_encoder_configs(config)
     if store_dtype is None:
         store_dtype = "bfloat16" if str(encoders_cfg["vae"].get("dtype", "float32")) == "bfloat16" else "float32"
-    sdt = F.np_dtype(store_dtype)
+    sdt = np_dtype(store_dtype)
     if shard_size < 1:
         from jaxsora.errors import BadInput
 
@@ -232,7 +233,7 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
 
 def _finish(out, plan_doc, units, keys, buckets, features, n_units, dims) -> dict:
     """All shards written: the assignment, the TFDS metadata and, last, the manifest."""
-    import tensorflow_datasets as tfds
+    from jaxsora.data.cache import write_tfds_metadata
 
     names = [F.shard_name(i, n_units) for i in range(n_units)]
     recs = []
@@ -247,14 +248,8 @@ def _finish(out, plan_doc, units, keys, buckets, features, n_units, dims) -> dic
         for reason, rs in rec["skipped"].items():
             skipped[reason] = skipped.get(reason, 0) + len(rs)
     shard_lengths = [len(rec["rows"]) for rec in recs]
-    template = tfds.core.ShardedFileTemplate(data_dir=out, template=F.FILENAME_TEMPLATE, dataset_name=F.DATASET_NAME,
-                                             split=F.SPLIT, filetype_suffix="array_record")
-    num_bytes = sum(os.path.getsize(os.path.join(out, n)) for n in names)
-    split = tfds.core.SplitInfo(name=F.SPLIT, shard_lengths=shard_lengths, num_bytes=num_bytes,
-                                filename_template=template)
-    tfds.folder_dataset.write_metadata(data_dir=out, features=features, split_infos=[split],
-                                       filename_template=F.FILENAME_TEMPLATE, check_data=False,
-                                       description="jaxsora feature cache (VAE latents, T5 states): see manifest.json")
+    write_tfds_metadata(out, features, F.DATASET_NAME, names, shard_lengths,
+                        "jaxsora feature cache (VAE latents, T5 states): see manifest.json")
     latent_of = {rec["bucket"]: rec["latent"] for rec in recs}
     bucket_entries = [dict(key=list(k), size=list(buckets.target_size(k)), latent=[dims["latent_channels"],
                            *latent_of.get(i, [0, 0, 0])], records=int((bucket == i).sum()))

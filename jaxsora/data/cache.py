@@ -79,7 +79,7 @@ def table_fingerprint(texts: Sequence[str]) -> str:
 
 def np_dtype(name: str) -> np.dtype:
     if name not in STORE_DTYPES:
-        raise ValueError(f"store dtype must be one of {STORE_DTYPES}, got {name!r}")
+        raise BadInput(f"store dtype must be one of {STORE_DTYPES}, got {name!r}")
     if name == "bfloat16":
         import ml_dtypes
 
@@ -200,7 +200,8 @@ def write_cache(
             writer.close()
         shard_lengths.append(hi - lo)
     bar.close()
-    _write_tfds_metadata(out_dir, features, shard_lengths)
+    write_tfds_metadata(out_dir, features, DATASET_NAME, names, shard_lengths,
+                        "jaxsora T5 caption states (valid tokens only); see manifest.json")
     manifest = {
         "format": FORMAT,
         "encoder": encoder_config,
@@ -221,28 +222,20 @@ def write_cache(
     return manifest
 
 
-def _write_tfds_metadata(out_dir: str, features, shard_lengths: list[int]) -> None:
+def write_tfds_metadata(out_dir: str, features, dataset_name: str, shards: Sequence[str],
+                        shard_lengths: Sequence[int], description: str) -> None:
+    """TFDS's `dataset_info.json`/`features.json` for ArrayRecord shards named by `FILENAME_TEMPLATE`
+    (split `SPLIT`), so that `tfds.builder_from_directory(out_dir)` reads them — shared by the
+    text-state cache and the feature cache (`jaxsora.data.features`)."""
     import tensorflow_datasets as tfds
 
-    num_bytes = sum(os.path.getsize(os.path.join(out_dir, p)) for p in shard_names(len(shard_lengths)))
-    template = tfds.core.ShardedFileTemplate(
-        data_dir=out_dir,
-        template=FILENAME_TEMPLATE,
-        dataset_name=DATASET_NAME,
-        split=SPLIT,
-        filetype_suffix="array_record",
-    )
-    split = tfds.core.SplitInfo(
-        name=SPLIT, shard_lengths=shard_lengths, num_bytes=num_bytes, filename_template=template
-    )
-    tfds.folder_dataset.write_metadata(
-        data_dir=out_dir,
-        features=features,
-        split_infos=[split],
-        filename_template=FILENAME_TEMPLATE,
-        check_data=False,
-        description="jaxsora T5 caption states (valid tokens only); see manifest.json",
-    )
+    num_bytes = sum(os.path.getsize(os.path.join(out_dir, p)) for p in shards)
+    template = tfds.core.ShardedFileTemplate(data_dir=out_dir, template=FILENAME_TEMPLATE, dataset_name=dataset_name,
+                                             split=SPLIT, filetype_suffix="array_record")
+    split = tfds.core.SplitInfo(name=SPLIT, shard_lengths=list(shard_lengths), num_bytes=num_bytes,
+                                filename_template=template)
+    tfds.folder_dataset.write_metadata(data_dir=out_dir, features=features, split_infos=[split],
+                                       filename_template=FILENAME_TEMPLATE, check_data=False, description=description)
 
 
 # --------------------------------------------------------------------------------------------

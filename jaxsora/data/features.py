@@ -40,33 +40,20 @@ import numpy as np
 
 from jaxsora.data import plan as plan_lib
 from jaxsora.data.buckets import Buckets, normalize_bucket_config
+from jaxsora.data.cache import SPLIT, np_dtype  # the ArrayRecord/TFDS conventions both caches share
 from jaxsora.data.loader import VideoLoader, _PlanSource
-from jaxsora.errors import BadInput, MissingFile, UserError
+from jaxsora.errors import MissingFile, UserError
 
 FORMAT = "jaxsora.features/1"
 DATASET_NAME = "features"
-SPLIT = "train"
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 ASSIGNMENT = "assignment.npz"
 PROGRESS = "progress"
-# TFDS file naming, so that `tfds.builder_from_directory` finds the shards.
-FILENAME_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
-STORE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class FeatureCacheError(UserError, ValueError):
     """A feature directory that is incomplete, corrupt, or does not fit the run."""
-
-
-def np_dtype(name: str) -> np.dtype:
-    if name not in STORE_DTYPES:
-        raise BadInput(f"store dtype must be one of {STORE_DTYPES}, got {name!r}")
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def shard_name(i: int, n: int) -> str:

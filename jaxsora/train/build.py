@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3Config
+from jaxsora.train.contracts import VAE, TextEncoder
 
 
 def _plain(cfg) -> dict:
@@ -51,13 +52,13 @@ def frozen_encoder_configs(config) -> dict:
     return dict(vae=_own_keys(config.vae, _VAE_KEYS), text_encoder=_own_keys(config.text_encoder, _TEXT_KEYS))
 
 
-def build_text_encoder_from_config(cfg: Mapping[str, Any], *, mesh=None, rules=None):
+def build_text_encoder_from_config(cfg: Mapping[str, Any], *, mesh=None, rules=None) -> TextEncoder:
     from jaxsora.models.t5 import build_text_encoder
 
     return build_text_encoder(_own_keys(cfg, _TEXT_KEYS), mesh=mesh, rules=rules)
 
 
-def build_vae_from_config(cfg: Mapping[str, Any], *, abstract: bool = False):
+def build_vae_from_config(cfg: Mapping[str, Any], *, abstract: bool = False) -> VAE:
     """`{"kind": "identity", "downsample": [1, f, f]}` (pixel space, the CPU demo) or
     `{"kind": "opensora", "path": file_or_folder, "dtype": "bfloat16"}` (OpenSora VAE v1.2).
     `abstract=True`: the OpenSora VAE's architecture with shapes only (no file is read)."""

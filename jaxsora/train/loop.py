@@ -25,11 +25,13 @@ import collections
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 
 import jax
 
 from jaxsora.train import memory, run_folder
 from jaxsora.train.checkpoint import Checkpointer, restore
+from jaxsora.train.contracts import Loader
 from jaxsora.train.memory import EmptyPlanError  # noqa: F401  (re-exported)
 from jaxsora.train.run_folder import new_run_folder as _new_run_folder  # noqa: F401  (tests import it here)
 from jaxsora.train.setup import default_loader, fresh_state, plain, setup_run, weights_only_state
@@ -82,7 +84,8 @@ def _profile_range(spec: str | None) -> tuple[int, int] | None:
     return a, b
 
 
-def train(config, opts: RunOptions, *, loader_factory=None, eval_data_factory=None) -> dict:
+def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | None = None,
+          eval_data_factory=None) -> dict:
     """Run training (or the dry run); returns a summary dict. `loader_factory(config, dp, text_inputs)`
     and `eval_data_factory(config, setup, outdir)` replace the video loader and the eval data."""
     from jaxsora.train.validate import validate_config

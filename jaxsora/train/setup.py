@@ -30,6 +30,7 @@ from jaxsora.models import lora as lora_lib
 from jaxsora.models.stdit3 import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
+from jaxsora.train.contracts import Loader
 from jaxsora.train.optim import lr_schedule, make_optimizer
 from jaxsora.train.state import (
     StatePlan,
@@ -101,7 +102,7 @@ def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
     return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan))
 
 
-def default_loader(config, dp: int, text_inputs):
+def default_loader(config, dp: int, text_inputs) -> Loader:
     """The grain video loader of `config.data` (see `jaxsora.data.loader`)."""
     from jaxsora.data.buckets import normalize_bucket_config
     from jaxsora.data.loader import VideoLoader
