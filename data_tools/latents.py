@@ -91,8 +91,7 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
     dcfg = config.data
     extra = _plain(dcfg.resolutions) if dcfg.get("resolutions") else None
     bucket_config = normalize_bucket_config(_plain(dcfg.bucket_config))
-    seed = int(dcfg.get("seed", config.train.seed))
-    frame_interval = int(dcfg.get("frame_interval", 1))
+    seed, frame_interval = int(dcfg.seed), int(dcfg.frame_interval)
     encoders_cfg = build.frozen_encoder_configs(config)
     if store_dtype is None:
         store_dtype = "bfloat16" if str(encoders_cfg["vae"].get("dtype", "float32")) == "bfloat16" else "float32"

@@ -213,10 +213,10 @@ def build_eval_data(config, setup, outdir: str):
     extra = _plain(dcfg.get("resolutions") or None)
     data = EvalData(ecfg.table, _plain(ecfg.bucket_config), seed=int(ecfg.get("seed", EVAL_SEED)),
                     data_parallel_size=setup.data_parallel_size, process_index=jax.process_index(),
-                    process_count=jax.process_count(), frame_interval=int(dcfg.get("frame_interval", 1)),
+                    process_count=jax.process_count(), frame_interval=int(dcfg.frame_interval),
                     extra_resolutions=extra, max_batches_per_bucket=int(ecfg.get("max_batches_per_bucket", 0)),
                     index_dir=os.path.join(outdir, "eval_table_index"), text_inputs=text_inputs,
-                    decode_threads=int(ecfg.get("decode_threads", 1)), progress=jax.process_index() == 0)
+                    decode_threads=int(ecfg.decode_threads), progress=jax.process_index() == 0)
     if not data.plan:
         raise EvalPlanError(f"eval.table {ecfg.table}: no row fits any bucket of eval.bucket_config (too small, too "
                             "short, or a resolution the config does not list)")

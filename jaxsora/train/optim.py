@@ -21,7 +21,7 @@ import optax
 
 
 def lr_schedule(optim_cfg) -> optax.Schedule:
-    kind = optim_cfg.get("lr_schedule", "constant")
+    kind = optim_cfg.get("lr_schedule", "linear_warmup")  # as configs/base.py (no warmup: constant)
     base = float(optim_cfg["lr"])
     warmup = int(optim_cfg.get("warmup_steps") or 0)
     if kind == "constant" or (kind == "linear_warmup" and warmup == 0):

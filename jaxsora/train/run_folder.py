@@ -81,7 +81,7 @@ def next_run_folder(config) -> str:
     from jaxsora.runs import next_run_number, run_folder_name
 
     outputs = os.path.abspath(config.train.outputs)
-    return os.path.join(outputs, run_folder_name(next_run_number(outputs), config.train.get("experiment", "run")))
+    return os.path.join(outputs, run_folder_name(next_run_number(outputs), config.train.experiment))
 
 
 def new_run_folder(config) -> str:
@@ -90,7 +90,7 @@ def new_run_folder(config) -> str:
     from jaxsora.runs import new_run_dir, run_folder_name, run_number
 
     outputs = os.path.abspath(config.train.outputs)
-    experiment = config.train.get("experiment", "run")
+    experiment = config.train.experiment
     if jax.process_count() == 1:
         return new_run_dir(outputs, experiment)
     import numpy as np

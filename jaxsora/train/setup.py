@@ -98,7 +98,7 @@ def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
                               encode_text=encoders.encode_text, scheduler_cfg=plain(config.scheduler),
                               mask_ratios=plain(config.mask_ratios) or None, ema_decay=float(config.optim.ema_decay),
                               lr_fn=lr_schedule(config.optim),
-                              max_norm_growth=float(config.train.get("max_param_norm_growth", 0.0)))
+                              max_norm_growth=float(config.train.max_param_norm_growth))
     return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan))
 
 
@@ -109,25 +109,20 @@ def default_loader(config, dp: int, text_inputs) -> Loader:
 
     dcfg = config.data
     buckets = normalize_bucket_config(plain(dcfg.bucket_config))
-    if int(dcfg.get("batch_size_override", 0) or 0) > 0:
+    if int(dcfg.batch_size_override) > 0:
         bs = int(dcfg.batch_size_override)
         buckets = {r: {f: (p, None if b is None else bs) for f, (p, b) in fr.items()} for r, fr in buckets.items()}
-    if dcfg.get("features"):
+    # Every knob read as the config schema (configs/base.py) sets it: no second default here.
+    common = dict(seed=int(dcfg.seed), data_parallel_size=dp, process_index=jax.process_index(),
+                  process_count=jax.process_count(), num_workers=int(dcfg.num_workers),
+                  decode_threads=int(dcfg.decode_threads), prefetch=int(dcfg.prefetch),
+                  extra_resolutions=plain(dcfg.resolutions) or None)
+    if dcfg.features:
         from jaxsora.data.features import FeatureLoader
 
-        return FeatureLoader(dcfg.features, buckets, seed=int(dcfg.get("seed", config.train.seed)),
-                             data_parallel_size=dp, process_index=jax.process_index(),
-                             process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
-                             decode_threads=int(dcfg.get("decode_threads", 1)), prefetch=int(dcfg.get("prefetch", 2)),
-                             extra_resolutions=plain(dcfg.resolutions) if dcfg.get("resolutions") else None)
-    return VideoLoader(dcfg.table, buckets, seed=int(dcfg.get("seed", config.train.seed)),
-                       data_parallel_size=dp, process_index=jax.process_index(),
-                       process_count=jax.process_count(), num_workers=int(dcfg.get("num_workers", 0)),
-                       decode_threads=int(dcfg.get("decode_threads", 1)), prefetch=int(dcfg.get("prefetch", 2)),
-                       codec_threads=int(dcfg.get("codec_threads", 0)),
-                       index_dir=dcfg.get("index_dir") or None, frame_interval=int(dcfg.get("frame_interval", 1)),
-                       extra_resolutions=plain(dcfg.resolutions) if dcfg.get("resolutions") else None,
-                       text_inputs=text_inputs)
+        return FeatureLoader(dcfg.features, buckets, **common)
+    return VideoLoader(dcfg.table, buckets, codec_threads=int(dcfg.codec_threads), index_dir=dcfg.index_dir or None,
+                       frame_interval=int(dcfg.frame_interval), text_inputs=text_inputs, **common)
 
 
 # --------------------------------------------------------------------------------------------
