@@ -78,6 +78,7 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
     (default: bfloat16 if the VAE runs in bf16, else float32)."""
     import jax
     import jax.numpy as jnp
+    from array_record.python.array_record_module import ArrayRecordWriter
     from tqdm import tqdm
 
     from jaxsora.data.buckets import Buckets, normalize_bucket_config
@@ -173,8 +174,6 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
 
             name = F.shard_name(i, n_units)
             tmp = os.path.join(out, name + ".tmp")
-            from array_record.python.array_record_module import ArrayRecordWriter
-
             writer = ArrayRecordWriter(tmp, "group_size:1")
             kept, skipped = [], {}
             try:
