@@ -17,6 +17,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 EXIT_USER_ERROR = 2  # argparse's and absl's code for a usage error
+# `python -m jaxsora.train`'s other exit codes: 3 after train.max_nonfinite_steps rejected steps in a
+# row; 75 (EX_TEMPFAIL, sysexits.h) stopped by a signal (SIGTERM, preemption) after saving a
+# checkpoint, so run again with --load (launch/slurm.sbatch requeues the job on it).
+EXIT_NONFINITE = 3
+EXIT_STOPPED = 75
+TRAIN_EXIT_MEANINGS = {0: "done", 1: "crashed: see its log", EXIT_USER_ERROR: "user error: see its log",
+                       EXIT_NONFINITE: "non-finite steps: see its log", EXIT_STOPPED: "stopped: --load resumes",
+                       137: "killed (SIGKILL or out of memory)", 143: "terminated (SIGTERM)"}
 
 
 class UserError(Exception):

@@ -153,10 +153,15 @@ def _read_json(path: str) -> dict:
         return {}
 
 
+# How the trainer's last heartbeat (process 0's) says a run ended → the status shown.
+ENDINGS = {"done": "done", "stopped": "stopped: --load it", "failed": "failed", "non-finite": "non-finite stop"}
+
+
 def _status(run: str) -> str:
     info = _read_json(os.path.join(run, "run.lock"))
     if not info:
-        return "stopped"
+        phase = _read_json(os.path.join(run, "heartbeat", "0.json")).get("phase")
+        return ENDINGS.get(phase, "stopped")
     if info.get("host") != socket.gethostname():
         return f"running on {info.get('host')}"
     try:

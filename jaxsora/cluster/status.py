@@ -8,6 +8,7 @@ import os
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import log_name
 from jaxsora.cluster.table import format_table
+from jaxsora.errors import TRAIN_EXIT_MEANINGS
 
 GPU_FIELDS = ("index", "name", "memory.used", "memory.total", "power.draw", "clocks.sm", "clocks.max.sm",
               "ecc.errors.uncorrected.volatile.total", "temperature.gpu", "utilization.gpu")
@@ -81,6 +82,7 @@ def host_row(result: remote.Result, target: records.Target, beats: dict[int, dic
     if hb:
         now = remote.parse_date(result.field("now"))
         row["step"] = hb.get("step")
+        row["phase"] = hb.get("phase")  # before the first step: starting, compiling, restoring, initializing
         row["heartbeat_age"] = (now - float(hb["time"])) if now is not None and "time" in hb else None
         if target.pid is None:
             row["pid"] = hb.get("pid")
@@ -105,7 +107,9 @@ def _cells(row: dict) -> list:
         trainer = f"{row['pid']} {row['trainer']}"
         if row["trainer"] != "alive" and row.get("exit_code") is not None:
             trainer = f"{row['pid']} exited {row['exit_code']}"
-    step = row.get("step")
+            meaning = TRAIN_EXIT_MEANINGS.get(int(row["exit_code"])) if str(row["exit_code"]).isdigit() else None
+            trainer += f" ({meaning})" if meaning else ""
+    step = row.get("step") if row.get("step") is not None else row.get("phase")
     age = _fmt(row.get("heartbeat_age"), ".0f", "s") if step is not None else None
     if row.get("nvidia_smi") == "missing":
         return [row["host"], "no nvidia-smi", None, None, None, None, None, None, trainer, step, age]
@@ -146,7 +150,8 @@ def warnings(rows: list[dict], stale: float) -> list[str]:
             out.append(f"{r['host']}: the trainer exited (code {r.get('exit_code') or '?'}) while others run: "
                        f"they will wait in a collective; stop the run and --load it")
         if r.get("heartbeat_age") is not None and r["heartbeat_age"] > stale and r.get("trainer") != "gone":
-            out.append(f"{r['host']}: no heartbeat for {r['heartbeat_age']:.0f}s (step {r.get('step')}): "
+            at = f"step {r['step']}" if r.get("step") is not None else r.get("phase") or "no step yet"
+            out.append(f"{r['host']}: no heartbeat for {r['heartbeat_age']:.0f}s ({at}): "
                        f"hung? `dump` shows its stacks")
     steps = [r["step"] for r in rows if r.get("step") is not None]
     if steps and max(steps) != min(steps):

@@ -452,11 +452,40 @@ class _ItemJob:
             self.ready[i] = np.ascontiguousarray(acc.pop(i).astype(np.dtype(self.entries[i].dtype), copy=False))
 
 
+def can_stream() -> bool:
+    """Whether this orbax writes numpy arrays through `NumpyHandler._open_and_write(value, tspec,
+    ts_context)`, the hook `_streaming_handler` overrides (orbax 0.11–0.12). It is private, so it is
+    checked here rather than assumed; without it the output item is computed whole first."""
+    import inspect
+
+    from orbax.checkpoint import type_handlers
+
+    hook = getattr(type_handlers.NumpyHandler, "_open_and_write", None)
+    try:
+        params = list(inspect.signature(hook).parameters) if callable(hook) else []
+    except (TypeError, ValueError):
+        return False
+    return params[1:] == ["value", "tspec", "ts_context"]
+
+
+_said_no_streaming = False
+
+
 def _save_item(item_dir: str, tree) -> None:
+    import jax
     import orbax.checkpoint as ocp
 
-    handler = ocp.PyTreeCheckpointHandler(
-        type_handler_registry=ocp.type_handlers.create_type_handler_registry((_Lazy, _streaming_handler())))
+    global _said_no_streaming
+    if can_stream():
+        handler = ocp.PyTreeCheckpointHandler(
+            type_handler_registry=ocp.type_handlers.create_type_handler_registry((_Lazy, _streaming_handler())))
+    else:  # the same files and metadata (np.ndarray leaves), with the whole item in host memory
+        if not _said_no_streaming:
+            _said_no_streaming = True
+            _note(f"orbax {ocp.__version__} has no numpy write hook to stream through: each output item is "
+                  f"computed whole before it is written (host memory: one item, e.g. all params)")
+        tree = jax.tree.map(lambda leaf: leaf.compute(), tree, is_leaf=lambda x: isinstance(x, _Lazy))
+        handler = ocp.PyTreeCheckpointHandler()
     with ocp.Checkpointer(handler) as ckptr:
         ckptr.save(item_dir, args=ocp.args.PyTreeSave(tree))
 

@@ -19,14 +19,11 @@ optional dependency) is one line on stderr and exit code 2 (`jaxsora.errors`).
 import sys
 
 from jaxsora.cli import config_app
+from jaxsora.errors import EXIT_NONFINITE, EXIT_STOPPED
 
 PROG = "jaxsora.train"
-# Exit codes: 0 done, 1 an internal error (traceback), 2 a user error (one line), 3 stopped after
-# train.max_nonfinite_steps rejected steps in a row, 75 (EX_TEMPFAIL, sysexits.h) stopped by a signal
-# (SIGTERM, preemption) after saving a checkpoint: run again with --load to go on
-# (launch/slurm.sbatch requeues the job on it).
-EXIT_NONFINITE = 3
-EXIT_STOPPED = 75
+# Exit codes: 0 done, 1 an internal error (traceback), 2 a user error (one line), 3 and 75: see
+# jaxsora.errors (EXIT_NONFINITE, EXIT_STOPPED).
 
 
 def _define_flags():

@@ -152,12 +152,22 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
         evaluator = _evaluator(setup, outdir, eval_data_factory)
         with jax.set_mesh(setup.mesh):
+            write_heartbeat(outdir, jax.process_index(), None, phase="compiling")
             buckets = memory.compile_plan(setup, loader)
             if evaluator is not None:
                 evaluator.compile(limit=memory.device_memory_limit(config), threads=memory.compile_threads(config),
                                   check=bool(config.train.get("check_memory", True)), progress=_is_main())
+            write_heartbeat(outdir, jax.process_index(), None, phase="restoring" if opts.load else "initializing")
             state, wandb_id = _initial_state(setup, loader, opts)
-            return _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator)
+            try:
+                result = _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator)
+            except BaseException as e:  # the last heartbeat says how it ended (`jaxsora.runs`, `cluster status`)
+                write_heartbeat(outdir, jax.process_index(), None,
+                                phase="non-finite" if isinstance(e, NonFiniteError) else "failed")
+                raise
+            write_heartbeat(outdir, jax.process_index(), result["steps"],
+                            phase="stopped" if result["stopped_by_signal"] else "done")
+            return result
     finally:
         if lock is not None:
             lock.release()
@@ -220,6 +230,7 @@ def _skip_counts(loader) -> dict:
 
 
 def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator=None) -> dict:
+    from jaxsora.models.lora import LoRASpec
     from jaxsora.train.logging import MetricLogger
     from jaxsora.train.mfu import peak_flops, train_flops_per_sample
 
@@ -247,11 +258,13 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
     in_flight: collections.deque = collections.deque()  # (loss, host facts, iteration start) of queued steps
     step = int(jax.device_get(state.step))
     flops_cache: dict = {}
+    frozen_base = LoRASpec.from_config(config.get("lora")) is not None  # LoRA: no weight gradients of the base
 
     def flops_of(size: tuple, gb: int) -> float:
         """Model FLOPs (forward + backward) of a global batch of pixel size (T, H, W)."""
         if size not in flops_cache:
-            flops_cache[size] = train_flops_per_sample(setup.model_config, setup.encoders.latent_size(size))
+            flops_cache[size] = train_flops_per_sample(setup.model_config, setup.encoders.latent_size(size),
+                                                       frozen_base=frozen_base)
         return flops_cache[size] * gb
 
     def complete(entry) -> None:

@@ -3,7 +3,8 @@
 MFU = model FLOPs of the interval's steps / (interval seconds × peak FLOP/s per device × devices).
 
 Model FLOPs are counted from the STDiT3 shapes (the formula of `bench/step.py`), × 3 for forward
-and backward (the PaLM convention): rematerialization, the optimizer, the loss and the frozen
+and backward (the PaLM convention; for a LoRA run, whose base gets no weight gradients, see
+`train_flops_per_sample`): rematerialization, the optimizer, the loss and the frozen
 VAE/T5 encoders are not counted. XLA's own count (`CompileInfo.flops`, the compiled step's cost
 analysis) is not used: it counts remat's recomputation (a hardware, not a model, count), counts a
 `lax.scan` body once (`model.scan_blocks=True` reports one block pair of 28) and gives no FLOPs for
@@ -35,24 +36,45 @@ PEAK_FLOPS = (
 )
 
 
-def forward_flops(cfg, latent: Sequence[int], text_len: int) -> float:
-    """Matmul FLOPs of one STDiT3 forward for one sample of latent size (T, H, W)."""
+def _forward_parts(cfg, latent: Sequence[int], text_len: int) -> dict[str, float]:
+    """Matmul FLOPs of one STDiT3 forward for one sample of latent size (T, H, W), by what the
+    backward needs of them: `tokens` (weights applied to the image tokens: block Linears, final
+    layer), `text` (weights applied to the caption only: caption MLP, cross-attention k/v),
+    `patch` (the patch embedding of the input), `self_attn` (scores and sums) and `cross_attn`."""
     t, h, w = latent
     pt, ph, pw = cfg.patch_size
     tt, hh, ww = -(-t // pt), -(-h // ph), -(-w // pw)
-    s, n, c, length = hh * ww, tt * hh * ww, cfg.hidden_size, text_len
-    per_block = 28 * n * c * c + 4 * length * c * c + 4 * n * length * c
-    spatial = per_block + 4 * tt * s * s * c
-    temporal = per_block + 4 * s * tt * tt * c
+    s, n, c, length, d = hh * ww, tt * hh * ww, cfg.hidden_size, text_len, cfg.depth
     p = pt * ph * pw
-    extra = (2 * n * p * cfg.in_channels * c + 2 * n * c * p * cfg.out_channels
-             + 2 * length * (cfg.caption_channels * c + c * c))
-    return float(cfg.depth * (spatial + temporal) + extra)
+    return dict(
+        tokens=d * 2 * 28 * n * c * c + 2 * n * c * p * cfg.out_channels,
+        text=d * 2 * 4 * length * c * c + 2 * length * (cfg.caption_channels * c + c * c),
+        patch=2 * n * p * cfg.in_channels * c,
+        self_attn=d * (4 * tt * s * s * c + 4 * s * tt * tt * c),
+        cross_attn=d * 2 * 4 * n * length * c)
 
 
-def train_flops_per_sample(cfg, latent: Sequence[int]) -> float:
-    """Forward + backward model FLOPs of one sample (3 × forward), caption of `model_max_length`."""
-    return 3.0 * forward_flops(cfg, latent, cfg.model_max_length)
+def forward_flops(cfg, latent: Sequence[int], text_len: int) -> float:
+    """Matmul FLOPs of one STDiT3 forward for one sample of latent size (T, H, W)."""
+    return float(sum(_forward_parts(cfg, latent, text_len).values()))
+
+
+def train_flops_per_sample(cfg, latent: Sequence[int], *, frozen_base: bool = False) -> float:
+    """Forward + backward model FLOPs of one sample, caption of `model_max_length`.
+
+    Trained base: 3 × forward (forward, input gradients, weight gradients).
+    Frozen base (LoRA): XLA drops the matmuls whose results nothing trainable needs, so the patch
+    embedding and the text path run forward only (1×), the token weights get input gradients but
+    no weight gradients (2×), self-attention needs gradients of both operands (3×), and
+    cross-attention of the queries and probabilities only (2×: the text's k/v are constants).
+    The adapters' own FLOPs, rank·(in + out) against in·out per wrapped Linear (about 3 % of it at
+    rank 16, width 1152), are not counted: a LoRA run's MFU is a slight underestimate.
+    `tests/train/test_mfu.py` holds both counts against XLA's count of the compiled step."""
+    parts = _forward_parts(cfg, latent, cfg.model_max_length)
+    if not frozen_base:
+        return 3.0 * sum(parts.values())
+    return float(parts["patch"] + parts["text"] + 2 * parts["tokens"] + 3 * parts["self_attn"]
+                 + 2 * parts["cross_attn"])
 
 
 def device_peak_flops(device_kind: str, compute_dtype: str) -> float | None:

@@ -56,7 +56,8 @@ def test_status_table(cluster, capsys):
     assert a[8:11] == [str(os.getpid()), "alive", "1200"] and 2000 <= int(a[11][:-1]) < 2060, rows["gpu-a"]
     b = rows["gpu-b"].split()
     assert b[1:8] == ["1", "0", "0%", "0/22", "-", "210", "-"], rows["gpu-b"]
-    assert b[8:11] == [str(gone.pid), "exited", "1"] and b[11] == "1100" and int(b[12][:-1]) < 60, rows["gpu-b"]
+    assert f" {gone.pid} exited 1 (crashed: see its log) " in rows["gpu-b"]
+    assert b[-2] == "1100" and int(b[-1][:-1]) < 60, rows["gpu-b"]
     assert "no nvidia-smi" in rows["nogpu"]
     assert "NVIDIA-SMI has failed" in rows["broken"]
     assert "gpu-a: 2 uncorrected ECC errors" in out
@@ -76,3 +77,26 @@ def test_unreachable_host_is_a_row(cluster, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "unreachable: ssh: connect to host down port 22: Connection refused" in out
     assert "(no run folder" in out
+
+
+def test_phase_before_the_first_step_and_what_an_exit_code_means(cluster, capsys):
+    """A trainer still compiling shows its phase instead of a step (and a stale one is named by
+    it); a trainer that exited shows what its code means (75: stopped, resume with --load)."""
+    hosts = cluster.hosts("h0", "h1", nvidia=False)
+    os.makedirs(cluster.logdir)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    records.write_pids(cluster.logdir, dict(run=cluster.run, hosts=[
+        dict(host="h0", process=0, pid=os.getpid(), start=_proc_start(os.getpid())),
+        dict(host="h1", process=1, pid=gone.pid, start="1")]))
+    with open(os.path.join(cluster.logdir, "h1.exit"), "w") as f:
+        f.write("75\n")
+    write_heartbeat(cluster.run, 0, None, phase="compiling")
+    write_heartbeat(cluster.run, 1, 40)
+    assert cluster.cli(hosts, "status") == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:4]}
+    assert rows["h0"].split()[-2] == "compiling", rows["h0"]
+    assert f"{gone.pid} exited 75 (stopped: --load resumes)" in rows["h1"], rows["h1"]
+    assert cluster.cli(hosts, "status", "--stale", "0") == 0
+    assert "h0: no heartbeat for 0s (compiling)" in capsys.readouterr().out

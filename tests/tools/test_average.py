@@ -135,6 +135,51 @@ def test_uniform_average_of_three_steps_equals_numpy(run, tmp_path, monkeypatch,
     assert ck.read_json_item(step_dir, "config") == ck.read_json_item(inputs[0], "config")
 
 
+def test_arrays_are_computed_while_orbax_writes_them(run, tmp_path, monkeypatch):
+    """The streaming path really runs with this orbax: every output array is computed inside
+    `Checkpointer.save`, in the tree's order (not all of them before it, which would hold the
+    whole item in memory). An equality test alone would pass if it never ran."""
+    import orbax.checkpoint as ocp
+
+    assert avg.can_stream()
+    saving, log = [False], []
+    save = ocp.Checkpointer.save
+
+    def tracked_save(self, *a, **kw):
+        saving[0] = True
+        try:
+            return save(self, *a, **kw)
+        finally:
+            saving[0] = False
+
+    take = avg._ItemJob.take
+
+    def tracked_take(self, i):
+        log.append((self.out_field, i, saving[0]))
+        return take(self, i)
+
+    monkeypatch.setattr(ocp.Checkpointer, "save", tracked_save)
+    monkeypatch.setattr(avg._ItemJob, "take", tracked_take)
+    assert avg.main([run, "--steps", "400,500", "--out", str(tmp_path / "avg"), "--no-progress"]) == 0
+    assert log and all(during for _, _, during in log)
+    for field in ("params", "ema"):
+        assert [i for f, i, _ in log if f == field] == list(range(sum(f == field for f, _, _ in log)))
+
+
+def test_without_the_orbax_hook_the_output_is_the_same(run, tmp_path, monkeypatch, capsys):
+    """An orbax without `NumpyHandler._open_and_write(value, tspec, ts_context)` (it is private):
+    each item is computed whole, then written; the result is the same checkpoint, and it is said."""
+    assert avg.main([run, "--steps", "400,500,600", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    monkeypatch.setattr(avg, "can_stream", lambda: False)
+    monkeypatch.setattr(avg, "_said_no_streaming", False)
+    capsys.readouterr()
+    assert avg.main([run, "--steps", "400,500,600", "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert "has no numpy write hook to stream through" in capsys.readouterr().err
+    a, b = _weights(str(tmp_path / "a" / "600")), _weights(str(tmp_path / "b" / "600"))
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[n], b[n]) for n in a)
+    assert ckpt_cli.main(["verify", str(tmp_path / "b")]) == 0
+
+
 def test_weighted_average_of_step_folders(run, tmp_path):
     inputs = [os.path.join(run, str(s)) for s in STEPS]
     out = tmp_path / "avg"

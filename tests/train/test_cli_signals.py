@@ -12,6 +12,7 @@ import time
 import pytest
 
 from data_tools.synthetic import generate
+from jaxsora.runs import describe
 from jaxsora.train.supervise import STACK_DUMP_SIGNAL
 from tests.train.common import REPO
 
@@ -61,10 +62,15 @@ def test_stack_dump_heartbeat_and_sigterm_exit_code(table, tmp_path):
     assert "stopped by a signal at step" in out and f"--load {run}" in out
     steps = sorted(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
     assert steps[-1] >= 2  # saved where it stopped
+    beat = json.loads((run / "heartbeat" / "0.json").read_text())
+    assert beat["phase"] == "stopped" and beat["step"] == steps[-1]  # how it ended, for runs and cluster status
+    assert describe(str(run))["status"] == "stopped: --load it"
 
 
 def test_a_finished_run_exits_zero(table, tmp_path):
     r = subprocess.run(_cmd(table, tmp_path / "run", 2), env=ENV, cwd=str(tmp_path), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((tmp_path / "run" / "heartbeat" / "0.json").read_text())["step"] == 2
+    beat = json.loads((tmp_path / "run" / "heartbeat" / "0.json").read_text())
+    assert beat["step"] == 2 and beat["phase"] == "done"
+    assert describe(str(tmp_path / "run"))["status"] == "done"

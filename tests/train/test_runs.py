@@ -52,6 +52,20 @@ def test_runs_are_listed_by_number_with_their_state(tmp_path):
     assert "012-stage2" in table and "running" in table and "stopped" in table
 
 
+@pytest.mark.parametrize("phase, status", [("done", "done"), ("stopped", "stopped: --load it"),
+                                           ("failed", "failed"), ("non-finite", "non-finite stop"),
+                                           ("compiling", "stopped"), (None, "stopped")])
+def test_an_ended_run_says_how_it_ended(tmp_path, phase, status):
+    """No lock: the trainer's last heartbeat (process 0) tells done, stopped by a signal, failed; a
+    heartbeat from before the first step (killed while compiling) or none at all: "stopped"."""
+    from jaxsora.train.supervise import write_heartbeat
+
+    run = _run(tmp_path, "004-stage1", steps=[10], complete=[10])
+    if phase is not None:
+        write_heartbeat(str(run), 0, 10, phase=phase)
+    assert list_runs(str(tmp_path))[0]["status"] == status
+
+
 # ----------------------------------------------------------------------------------------------
 # experiment numbers: the lookup train --load, serve --runs and this listing share
 # ----------------------------------------------------------------------------------------------
