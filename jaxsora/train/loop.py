@@ -142,32 +142,32 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
     # One owner per run folder (process 0 holds the lock for all processes of the run).
     lock = RunLock(outdir).acquire() if _is_main() else None
     try:
+        if not new:  # after the lock: a folder that a live run owns is refused naming that run
+            run_folder.refuse_another_run(outdir, opts)
         # `python -m jaxsora.cluster dump` (or kill -USR2) → every thread's stack in <run>/stacks/;
         # the heartbeat gives `cluster status` this process's pid while it compiles.
         register_stack_dump(outdir, jax.process_index())
         write_heartbeat(outdir, jax.process_index(), None, phase="starting")
-        if not new:  # after the lock: a folder that a live run owns is refused naming that run
-            run_folder.refuse_another_run(outdir, opts)
         setup = setup_run(config)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
         evaluator = _evaluator(setup, outdir, eval_data_factory)
-        with jax.set_mesh(setup.mesh):
-            write_heartbeat(outdir, jax.process_index(), None, phase="compiling")
-            buckets = memory.compile_plan(setup, loader)
-            if evaluator is not None:
-                evaluator.compile(limit=memory.device_memory_limit(config), threads=memory.compile_threads(config),
-                                  check=bool(config.train.get("check_memory", True)), progress=_is_main())
-            write_heartbeat(outdir, jax.process_index(), None, phase="restoring" if opts.load else "initializing")
-            state, wandb_id = _initial_state(setup, loader, opts)
-            try:
+        try:
+            with jax.set_mesh(setup.mesh):
+                write_heartbeat(outdir, jax.process_index(), None, phase="compiling")
+                buckets = memory.compile_plan(setup, loader)
+                if evaluator is not None:
+                    evaluator.compile(limit=memory.device_memory_limit(config), threads=memory.compile_threads(config),
+                                      check=bool(config.train.get("check_memory", True)), progress=_is_main())
+                write_heartbeat(outdir, jax.process_index(), None, phase="restoring" if opts.load else "initializing")
+                state, wandb_id = _initial_state(setup, loader, opts)
                 result = _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator)
-            except BaseException as e:  # the last heartbeat says how it ended (`jaxsora.runs`, `cluster status`)
-                write_heartbeat(outdir, jax.process_index(), None,
-                                phase="non-finite" if isinstance(e, NonFiniteError) else "failed")
-                raise
-            write_heartbeat(outdir, jax.process_index(), result["steps"],
-                            phase="stopped" if result["stopped_by_signal"] else "done")
-            return result
+        except BaseException as e:  # the last heartbeat says how the run ended (`jaxsora.runs`, `cluster status`)
+            write_heartbeat(outdir, jax.process_index(), None,
+                            phase="non-finite" if isinstance(e, NonFiniteError) else "failed")
+            raise
+        write_heartbeat(outdir, jax.process_index(), result["steps"],
+                        phase="stopped" if result["stopped_by_signal"] else "done")
+        return result
     finally:
         if lock is not None:
             lock.release()

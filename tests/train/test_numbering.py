@@ -131,6 +131,7 @@ def test_run_dir_is_used_as_given_and_refused_when_it_holds_a_run(tmp_path, caps
         _train(_config(out, 3), RunOptions(load=other, run_dir=str(exact)))
     assert (exact / "metrics.jsonl").read_text() == metrics and _ckpts(exact) == [0, 1]
     assert not (exact / "run.lock").exists()
+    assert json.loads((exact / "heartbeat" / "0.json").read_text())["phase"] == "done"  # refused runs leave it
     # --load of that folder goes on in it; --load into a new --run-dir starts a branch there
     res = _train(_config(out, 2), RunOptions(load=str(exact), run_dir=str(exact)))
     assert res["steps"] == 2 and _logged_steps(exact) == [1, 2] and _ckpts(exact) == [0, 1, 2]
