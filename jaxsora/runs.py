@@ -2,7 +2,8 @@
 
 For every run folder under OUTPUTS (or `--outputs OUTPUTS`, as `serve` and `cluster preflight` name
 it; default `outputs/`; a folder with `checkpoints/` or
-`metrics.jsonl`): its experiment number (the leading digits of `NNN-name` folders), the config's
+`metrics.jsonl`): its experiment number (the leading digits of `NNN-name` folders), the config file it was
+first started with (`<run>/invocations.jsonl` records every start's command line), the config's
 experiment name, whether it is running (its `run.lock` names a live process on this host, or a
 process on another host), the newest logged step and loss, the newest validation loss, the newest
 complete checkpoint and the wandb run id. Reads only small files (no arrays), so it is instant on
@@ -24,6 +25,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Sequence
 
 from jaxsora.cli import HelpFormatter as _Help
@@ -33,6 +35,7 @@ PROG = "jaxsora.runs"
 
 
 INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
+INVOCATIONS = "invocations.jsonl"  # <run>/invocations.jsonl: one line per start or resume of the run
 CLAIMS_DIR = ".run_numbers"  # <outputs>/.run_numbers/<NNN>: the numbers handed out
 _NUMBERED = re.compile(r"^(\d+)-")
 
@@ -173,6 +176,39 @@ def _status(run: str) -> str:
     return f"running (pid {info.get('pid')})"
 
 
+def record_invocation(run: str, **extra) -> None:
+    """Append this start of the run (time, host, pid, cwd, the command line, **extra) to
+    `<run>/invocations.jsonl`: how each stage was started stays with its folder (`describe`'s
+    config). Called by process 0 once the run folder is its own; a failure to write is one line."""
+    line = dict(time=time.time(), host=socket.gethostname(), pid=os.getpid(), cwd=os.getcwd(), argv=list(sys.argv),
+                **extra)
+    try:
+        with open(os.path.join(run, INVOCATIONS), "a") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as e:
+        print(f"[jaxsora] cannot record this start in {run}/{INVOCATIONS}: {e}", file=sys.stderr, flush=True)
+
+
+def config_of_argv(argv: Sequence[str]) -> str | None:
+    """The `--config FILE` (or `--config=FILE`) of a command line, without any `:override` suffix."""
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _first_config(run: str) -> str | None:
+    """The config file the run was first started with, as given (`configs/lambda/stage2.py`)."""
+    try:
+        with open(os.path.join(run, INVOCATIONS)) as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return config_of_argv(first.get("argv") or []) if isinstance(first, dict) else None
+
+
 def describe(run: str) -> dict:
     """What is known of one run folder, from its small files."""
     name = os.path.basename(os.path.normpath(run))
@@ -187,7 +223,7 @@ def describe(run: str) -> dict:
     last = _last_json_line(os.path.join(run, "metrics.jsonl")) or {}
     ev = _last_json_line(os.path.join(run, "eval.jsonl")) or {}
     return dict(
-        number=run_number(name), folder=name, path=os.path.abspath(run),
+        number=run_number(name), folder=name, path=os.path.abspath(run), config=_first_config(run),
         experiment=(config.get("train") or {}).get("experiment", name),
         model=(config.get("model") or {}).get("name") if isinstance(config.get("model"), dict) else None,
         status=_status(run), step=last.get("step"), loss=last.get("loss"), epoch=last.get("epoch"),
@@ -212,10 +248,15 @@ def format_table(runs: Sequence[dict]) -> str:
     def num(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
-    head = f"{'#':>4}  {'run':<28} {'status':<20} {'step':>7} {'loss':>8} {'eval':>8} {'ckpt':>7}  wandb"
+    def config(path):  # the file and its folder: configs/lambda/stage2.py → lambda/stage2.py
+        return "/".join(path.replace(os.sep, "/").split("/")[-2:]) if path else "-"
+
+    head = (f"{'#':>4}  {'run':<28} {'config':<20} {'status':<20} {'step':>7} {'loss':>8} {'eval':>8} {'ckpt':>7}  "
+            f"wandb")
     lines = [head]
     for r in runs:
-        lines.append(f"{num(r['number'], 'd'):>4}  {r['folder'][:28]:<28} {r['status'][:20]:<20} "
+        lines.append(f"{num(r['number'], 'd'):>4}  {r['folder'][:28]:<28} {config(r.get('config'))[-20:]:<20} "
+                     f"{r['status'][:20]:<20} "
                      f"{num(r['step'], 'd'):>7} {num(r['loss'], '.4f'):>8} {num(r['eval_loss'], '.4f'):>8} "
                      f"{num(r['checkpoint_step'], 'd'):>7}  {r['wandb_id'] or '-'}")
     return "\n".join(lines)

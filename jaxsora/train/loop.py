@@ -144,6 +144,11 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
     try:
         if not new:  # after the lock: a folder that a live run owns is refused naming that run
             run_folder.refuse_another_run(outdir, opts)
+        if _is_main():
+            from jaxsora.runs import record_invocation
+
+            record_invocation(outdir, processes=jax.process_count(), jaxsora=_version(), load=opts.load,
+                              ckpt_path=opts.ckpt_path)
         # `python -m jaxsora.cluster dump` (or kill -USR2) → every thread's stack in <run>/stacks/;
         # the heartbeat gives `cluster status` this process's pid while it compiles.
         register_stack_dump(outdir, jax.process_index())

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from data_tools.synthetic import generate
-from jaxsora.runs import describe
+from jaxsora.runs import describe, format_table
 from jaxsora.train.supervise import STACK_DUMP_SIGNAL
 from tests.train.common import REPO
 
@@ -73,4 +73,8 @@ def test_a_finished_run_exits_zero(table, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     beat = json.loads((tmp_path / "run" / "heartbeat" / "0.json").read_text())
     assert beat["step"] == 2 and beat["phase"] == "done"
-    assert describe(str(tmp_path / "run"))["status"] == "done"
+    info = describe(str(tmp_path / "run"))
+    assert info["status"] == "done" and info["config"] == os.path.join(REPO, "configs", "demo.py")
+    started = [json.loads(ln) for ln in (tmp_path / "run" / "invocations.jsonl").read_text().splitlines()]
+    assert len(started) == 1 and started[0]["argv"][1:3] == ["--config", info["config"]]
+    assert "lambda/stage2.py" in format_table([dict(info, config="configs/lambda/stage2.py")])
