@@ -9,8 +9,14 @@ gives in epoch 0), the VAE and text encoder, and the mesh they run on. Each shar
 one bucket; a batch of a shard is decoded by a pool of threads, sharded over the mesh's
 data-parallel devices, encoded by the frozen VAE and T5 in one jitted call, and written; a
 finished shard is recorded in `progress/`, so running the same command again after an
-interruption encodes only the shards that are missing. With several processes, shard i is
-encoded by process i mod P on its own devices, and process 0 writes the metadata at the end.
+interruption encodes only the shards that are missing.
+
+With several processes (`jax.distributed`, started here from JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID or a detected cluster, as `jaxsora.train` starts), shard i is
+encoded by process i mod P alone, on its own devices (the config's mesh with its `data` axis split
+among the processes), into one folder all processes see; process 0 prepares the folder and writes
+the metadata at the end. The cache does not depend on the process count or the batch size: each
+row's VAE posterior is sampled with a key of (seed, row) only, so its fingerprint means one content.
 """
 from __future__ import annotations
 
@@ -45,6 +51,22 @@ def _units(groups, shard_size: int) -> list[tuple[tuple, np.ndarray]]:
     return [(key, rows[i:i + shard_size]) for key, rows in groups.items() for i in range(0, len(rows), shard_size)]
 
 
+def _process_mesh_shape(mesh_cfg, num_devices: int, num_processes: int) -> dict[str, int]:
+    """{axis: size} of the mesh one process encodes its shards on: the config's mesh over all
+    `num_devices` devices with its `data` axis split among the `num_processes` processes (fsdp and
+    sequence stay whole, so they must fit in one process's devices)."""
+    from jaxsora.parallel.mesh import MeshError, mesh_shape
+
+    shape = mesh_shape(_plain(mesh_cfg), num_devices)
+    if num_processes == 1:
+        return shape
+    if shape["data"] % num_processes:
+        raise MeshError(f"precompute encodes each shard on one process's devices, so mesh.data must be a multiple of "
+                        f"the {num_processes} processes; the mesh is {shape} (e.g. --config.mesh.data=-1 with "
+                        f"mesh.fsdp x mesh.sequence at most one process's {num_devices // num_processes} devices)")
+    return dict(shape, data=shape["data"] // num_processes)
+
+
 def _prepare_dir(out: str, plan_doc: dict, overwrite: bool) -> None:
     """A new directory, the same plan again (resume), or — with overwrite — a cleared one."""
     path = os.path.join(out, F.PLAN)
@@ -71,10 +93,14 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
                         store_dtype: str | None = None, workers: int = 8, overwrite: bool = False,
                         progress: bool = True, stop_after_shards: int | None = None) -> dict | None:
     """Encode `config.data.table` into `out`. Returns the manifest (None on processes other than 0,
-    or when `stop_after_shards` — a test's stand-in for an interruption — ended the run early).
+    or when `stop_after_shards` — a test's stand-in for an interruption: each process stops after
+    encoding that many shards — ended the run early). Starts `jax.distributed` first when the
+    environment asks for several processes (a no-op if it is already started).
 
     batch_size: rows per encoder call (default: the data-parallel size, one row per device);
-    rounded up to a multiple of the data-parallel size. store_dtype: of latents and text states
+    rounded up to a multiple of the data-parallel size; the VAE encodes each row as a batch of one
+    (vmapped, for its per-row key), so its frame micro-batches hold rows-per-device times as many
+    frames. store_dtype: of latents and text states
     (default: bfloat16 if the VAE runs in bf16, else float32)."""
     import jax
     import jax.numpy as jnp
@@ -86,9 +112,12 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
     from jaxsora.data.tables import TableIndex
     from jaxsora.data.video import DecodeError, load_sample, to_model_range
     from jaxsora.parallel import mesh as mesh_lib
+    from jaxsora.parallel.distributed import initialize
     from jaxsora.parallel.sharding import batch_sharding
     from jaxsora.train import build
 
+    initialize()  # before jax's first device query: a multi-process command joins its processes here
+    num_processes = jax.process_count()
     dcfg = config.data
     extra = _plain(dcfg.resolutions) if dcfg.get("resolutions") else None
     bucket_config = normalize_bucket_config(_plain(dcfg.bucket_config))
@@ -114,45 +143,59 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
                     resolutions=extra, seed=seed, frame_interval=frame_interval, shard_size=int(shard_size),
                     dtype=store_dtype, **encoders_cfg)
     plan_doc = json.loads(json.dumps(plan_doc, default=str))  # as it reads back from plan.json (tuples → lists)
+    failure = None
     if is_main:
-        _prepare_dir(out, plan_doc, overwrite)
-    if jax.process_count() > 1:
+        try:
+            _prepare_dir(out, plan_doc, overwrite)
+        except Exception as e:  # re-raised below, once every process knows (none waits on a process that left)
+            failure = e
+    if num_processes > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices("jaxsora precompute: folder ready")
+        # a barrier (the folder is ready) that also tells every process whether process 0 refused it
+        if int(multihost_utils.broadcast_one_to_all(np.int32(failure is not None))) and not is_main:
+            raise OutputExists(f"{out}: process 0 could not prepare the output folder (its error says why)")
+    if failure is not None:
+        raise failure
 
     # The frozen encoders on this process's devices (shard i belongs to process i mod P).
     enc_config = copy.deepcopy(config)
     with enc_config.unlocked():
         enc_config.data.text_cache = ""
         enc_config.data.features = ""
-    mesh = mesh_lib.make_mesh(_plain(config.mesh), devices=jax.local_devices())
+    mesh = mesh_lib.make_mesh(_process_mesh_shape(config.mesh, jax.device_count(), num_processes),
+                              devices=jax.local_devices())
     rules = mesh_lib.logical_rules(mesh)
     encoders = build.build_encoders(enc_config, mesh, rules)
     dp = mesh_lib.data_parallel_size(mesh)
     per_call = max(dp, -(-max(int(batch_size), 1) // dp) * dp)
 
-    def encode(weights, video, ids, mask, key):
-        latents = encoders.encode_video(weights, to_model_range(video), key)
-        return latents, encoders.encode_text(weights, ids, mask)
+    def encode(weights, video, ids, mask, rows, key):
+        """video [B, 3, t, h, w] uint8, ids/mask [B, L], rows [B] uint32 → latents [B, C, t', h', w'],
+        text states [B, L, D]. Row r's posterior is sampled with fold_in(key, r), whatever batch it is in."""
+        def one(v, r):
+            return encoders.encode_video(weights, v[None], jax.random.fold_in(key, r))[0]
+
+        return jax.vmap(one)(to_model_range(video), rows), encoders.encode_text(weights, ids, mask)
 
     encode = jax.jit(encode)
     base_key = jax.random.key(seed)
     L, D = encoders.model_max_length, encoders.caption_channels
     features = F.tfds_features(encoders.in_channels, D, store_dtype)
     n_units = len(units)
-    mine = [i for i in range(n_units) if i % jax.process_count() == jax.process_index()]
+    mine = [i for i in range(n_units) if i % num_processes == jax.process_index()]
     todo = [i for i in mine if not os.path.exists(os.path.join(out, F.PROGRESS, F.shard_name(i, n_units) + ".json"))]
     if is_main and len(todo) < len(mine):
         print(f"[precompute] resuming: {len(mine) - len(todo)} of {len(mine)} shards already encoded", file=sys.stderr)
     bar = tqdm(total=sum(len(units[i][1]) for i in todo), desc="encoding clips", unit="clip",
                disable=not (progress and is_main))
     pool = ThreadPoolExecutor(max(1, int(workers)))
-    done_now = 0
+    done_now, stopped, failure = 0, False, None
     try:
         for i in todo:
             if stop_after_shards is not None and done_now >= stop_after_shards:
-                return None
+                stopped = True
+                break
             key, rows = units[i]
             t, h, w = buckets.target_size(key)
 
@@ -192,9 +235,10 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
                     video = np.stack([v for _, v, _, _ in good] + [good[-1][1]] * pad)
                     ids = np.concatenate([text_in["ids"], np.repeat(text_in["ids"][-1:], pad, 0)])
                     mask = np.concatenate([text_in["text_mask"], np.repeat(text_in["text_mask"][-1:], pad, 0)])
-                    args = [jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (video, ids, mask)]
+                    row_ids = np.array([r for r, *_ in good] + [good[-1][0]] * pad, np.uint32)
+                    args = [jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (video, ids, mask, row_ids)]
                     with jax.set_mesh(mesh):
-                        lat, y = encode(encoders.weights, *args, jax.random.fold_in(base_key, i * 1_000_003 + start))
+                        lat, y = encode(encoders.weights, *args, base_key)
                     lat = np.asarray(jax.device_get(lat.astype(jnp.float32)))
                     y = np.asarray(jax.device_get(y))
                     for j, (row, _, fps, _) in enumerate(good):
@@ -216,14 +260,23 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
                 json.dump(rec, f)
             os.replace(ptmp, os.path.join(out, F.PROGRESS, name + ".json"))
             done_now += 1
+    except Exception as e:  # with peers: re-raised after the barrier below, which the peers must not wait at in vain
+        if num_processes == 1:
+            raise
+        failure = e
     finally:
         pool.shutdown()
         bar.close()
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("jaxsora precompute: shards done")
-    if not is_main:
+    if num_processes > 1:
+        # a barrier (every process is done) that also says which processes stopped early or failed: [P, 2]
+        status = multihost_utils.process_allgather(np.array([stopped, failure is not None], np.int32))
+        if failure is not None:
+            raise failure
+        if status[:, 1].any():
+            raise RuntimeError(f"precompute: process {int(np.flatnonzero(status[:, 1])[0])} failed encoding its "
+                               "shards (its error says why); the shards written so far are kept for a rerun")
+        stopped = bool(status[:, 0].any())
+    if stopped or not is_main:
         return None
     return _finish(out, plan_doc, units, keys, buckets, features, n_units,
                    dict(latent_channels=encoders.in_channels, caption_channels=D, model_max_length=L))
