@@ -15,6 +15,11 @@ sample size of its `sample` section; otherwise Open-Sora's defaults (240p 9:16, 
 
 Seeds: the noise of each prompt depends only on --seed, the prompt text and how many times that
 same prompt came before it (so a prompt gives the same video alone or among others).
+
+Multi-host: every process runs the same command (jax.distributed from --coordinator /
+--num-processes / --process-id, JAX_* variables or the detected cluster, as `jaxsora.train`); the
+mesh spans every process's devices, all of them sample process 0's checkpoint step, and process 0
+writes the files (the same files as one process with as many devices).
 """
 from __future__ import annotations
 
@@ -64,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="model compute dtype: bf16, fp32 (default: the checkpoint's)")
     g.add_argument("--dp-size", type=int, default=None, help="devices on the data axis (default: all / sp-size)")
     g.add_argument("--sp-size", type=int, default=1, help="devices on the sequence axis (Ulysses), default 1")
+
+    g = ap.add_argument_group("multi-host (every process runs the same command; process 0 writes the files)")
+    g.add_argument("--coordinator", default=None, help="coordinator host:port (default: JAX_COORDINATOR_ADDRESS or "
+                                                        "the detected cluster's)")
+    g.add_argument("--num-processes", type=int, default=None, help="process count (default: JAX_NUM_PROCESSES, ...)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's id (default: JAX_PROCESS_ID, ...)")
 
     g = ap.add_argument_group("prompts")
     g.add_argument("--prompt", action="extend", nargs="+", default=[], help="prompt(s); repeatable")
@@ -160,6 +171,53 @@ def make_settings(args, run_config: dict | None):
     return default_settings(run_config, **kw)
 
 
+def _start_distributed(args) -> None:
+    """jax.distributed from --coordinator/--num-processes/--process-id, JAX_* variables or the
+    detected cluster (`jaxsora.parallel.distributed`); its line on where the settings came from
+    goes to stdout, as `jaxsora.train`'s (not at --verbose 0)."""
+    import contextlib
+
+    from jaxsora.parallel.distributed import initialize
+
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null if args.verbose < 1 else sys.stdout):
+        initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def _same_job(args, ckpt: str, step_dir: str, prompts: list[str], settings) -> str:
+    """Multi-host: the step folder every process samples, process 0's (a save that finishes between
+    the processes' starts could give them different newest steps, and a mix of their weights).
+    Processes given different prompts or flags (the output folder aside) stop with a one-line error
+    in every process, rather than hang or write a mix."""
+    import json
+    import zlib
+
+    import jax
+
+    if jax.process_count() == 1:
+        return step_dir
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jaxsora.infer.pipeline import find_step_dir
+
+    name = os.path.basename(step_dir)
+    step = int(name) if name.isdigit() else -1
+    job = json.dumps([prompts, settings.to_dict(), args.step, args.ema, args.vae, args.text_encoder, args.dtype,
+                      args.dp_size, args.sp_size], sort_keys=True, default=str)
+    mine = np.asarray([step, zlib.crc32(job.encode()) & 0x7FFFFFFF], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), 2)
+    differ = [i for i in range(len(every)) if every[i, 1] != every[0, 1]]
+    if differ:
+        raise BadInput(f"process {differ[0]} of {len(every)} was given other prompts or flags than process 0 "
+                       "(every process runs the same command on the same files)")
+    first = int(every[0, 0])
+    if first < 0 or first == step:
+        return step_dir
+    print(f"[jaxsora.sample] process {jax.process_index()}: sampling process 0's step {first} (not {step})",
+          file=sys.stderr, flush=True)
+    return find_step_dir(ckpt, first)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
@@ -198,10 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.sp_size < 1 or (args.dp_size is not None and args.dp_size < 1):
         raise BadInput("--dp-size and --sp-size must be positive")
+    # Every check of the input above runs before connecting, so a mistake ends each process alone
+    # (no process is left waiting for another one in jax.distributed).
+    _start_distributed(args)
+    step_dir = _same_job(args, ckpt, step_dir, prompts, settings)
     mesh = default_mesh(args.dp_size, args.sp_size)
     pipe = Pipeline.load(step_dir, ema=args.ema, vae=args.vae, text_encoder=args.text_encoder, mesh=mesh,
                          dtype=args.dtype)
-    if args.verbose >= 1:
+    if args.verbose >= 1 and jax.process_index() == 0:
         print(f"[jaxsora.sample] {pipe.step_dir} (step {pipe.step}, {pipe.weights} weights), "
               f"{len(prompts)} video(s), mesh {dict(mesh.shape)}", file=sys.stderr, flush=True)
     try:

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxsora.diffusion.rflow import _HostProgress
 from jaxsora.errors import BadInput
 from jaxsora.infer import options as opt
 from jaxsora.infer.conditioning import (
@@ -81,6 +82,14 @@ def default_settings(run_config: Mapping | None = None, **overrides) -> SampleSe
             kw[k] = s[k]
     kw.update(overrides)
     return SampleSettings(**kw)
+
+
+class _SilentProgress(_HostProgress):
+    """The step bar of the processes other than 0: equal to process 0's `_HostProgress` (the same
+    compiled program, callback included), showing nothing."""
+
+    def __call__(self, i):
+        pass
 
 
 class Pipeline:
@@ -268,11 +277,14 @@ class Pipeline:
         bs = int(settings.batch_size)
         ref_cache: dict = {}
         bar = None
-        if progress:
+        # Multi-host: the bars show on process 0 only; the others trace the same program (a silent bar).
+        shown = jax.process_index() == 0
+        if progress and shown:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=n, unit="prompt", desc="prompts")
-        step_bar = rflow._HostProgress(int(settings.num_sampling_steps)) if progress else None
+        step_bar = (_HostProgress if shown else _SilentProgress)(int(settings.num_sampling_steps)) \
+            if progress else None
         out: list = [None] * n
         with jax.set_mesh(self.mesh):
             rep = NamedSharding(self.mesh, PartitionSpec())
