@@ -435,7 +435,12 @@ def load_sample(path: str, t: int, h: int, w: int, *, frame_interval: int, rng: 
 def write_mp4(frames: np.ndarray, path: str, fps: float, crf: int = 18, display_rotation: float = 0.0) -> str:
     """Write [T, H, W, 3] uint8 as h264 mp4 with PyAV (odd sizes are edge-padded to even, as yuv420p
     needs). display_rotation: degrees counter-clockwise a player turns the frames by (the container's
-    display matrix, as a phone writes it; −90 for a phone held upright). Returns the path."""
+    display matrix, as a phone writes it; −90 for a phone held upright). Returns the path.
+
+    x264's macroblock-tree rate control is off (`mbtree=0`): with it, the same frames gave up to 13
+    different files in 60 writes here (the last frames' pixels off by up to 11 levels; more often
+    with jax imported, at any thread count), so a sampler's seed would not give the same file.
+    Without it every write is the same, for slightly larger files at the same crf."""
     import av
 
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
@@ -446,7 +451,7 @@ def write_mp4(frames: np.ndarray, path: str, fps: float, crf: int = 18, display_
         stream = container.add_stream("libx264", rate=int(round(fps)))
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": str(crf)}
+        stream.options = {"crf": str(crf), "x264-params": "mbtree=0"}
         if display_rotation:
             stream.set_display_rotation(display_rotation)
         for frame in frames:
