@@ -16,7 +16,8 @@ from jaxsora.runs import describe, format_table
 from jaxsora.train.supervise import STACK_DUMP_SIGNAL
 from tests.train.common import REPO
 
-ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # one device: the signals, not the mesh, are tested
 
 
 @pytest.fixture(scope="module")
