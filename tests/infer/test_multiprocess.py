@@ -5,7 +5,8 @@ spread over them (Ulysses, --sp-size 2); user mistakes end both processes with o
 code 2, no hang.
 
 The sampler runs through run_sample.py, which also saves each video's frames losslessly (.mp4.npy):
-the frames are compared, not the mp4s (libx264 does not always encode equal frames to equal bytes).
+the frames are compared, not the mp4s (this tests the sampler, not the encoder; equal frames giving
+equal mp4 bytes is `tests/data/test_video.py::test_the_same_frames_give_the_same_file`).
 Every run is started at once (the module fixture); each test waits for its own."""
 import os
 import subprocess
