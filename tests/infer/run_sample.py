@@ -1,6 +1,6 @@
 """`python -m jaxsora.sample ARGS`, with every video also saved losslessly as <name>.mp4.npy (its
-[T, H, W, 3] uint8 frames) for test_multiprocess.py to compare exactly: libx264 with its default
-threads does not always encode the same frames to the same bytes, so mp4s cannot be compared.
+[T, H, W, 3] uint8 frames) for test_multiprocess.py to compare exactly: the sampler's output itself,
+not the encoder's.
 
 usage: run_sample.py ARGS...   (the sampler's own arguments; the JAX_* variables as for it)
 """
