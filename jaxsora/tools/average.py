@@ -38,7 +38,6 @@ the traceback).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
@@ -53,6 +52,7 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
+from jaxsora.tools.lazy_save import LazyArray, save_item  # noqa: E402
 
 PROG = "jaxsora.tools.average"
 # Arrays are read (and averaged) in groups of consecutive arrays of at most this many stored bytes
@@ -351,45 +351,6 @@ def _groups(entries: Sequence[Entry], budget: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------------------------
 # computing and writing one output item, an array at a time
 # ----------------------------------------------------------------------------------------------
-class _Lazy:
-    """An output array that is computed when orbax writes it (see `_StreamingHandler`)."""
-
-    def __init__(self, job: _ItemJob, index: int):
-        import numpy as np
-
-        e = job.entries[index]
-        self.job, self.index = job, index
-        self.shape, self.dtype = e.shape, np.dtype(e.dtype)
-        self.ndim, self.size = len(e.shape), int(np.prod(e.shape, dtype=np.int64))
-        self.nbytes = self.size * self.dtype.itemsize
-
-    def compute(self):
-        return self.job.take(self.index)
-
-
-def _streaming_handler():
-    """orbax's numpy TypeHandler (same files and metadata: restored as np.ndarray), for `_Lazy` leaves
-    written one after the other, each computed just before its write: at most one output array is
-    held by the writer at a time. A new one per save (its semaphore belongs to that save's event loop)."""
-    import tensorstore as ts
-    from orbax.checkpoint import type_handlers
-
-    class _StreamingHandler(type_handlers.NumpyHandler):
-        def __init__(self):
-            super().__init__(deepcopy_host_arrays=False)
-            self._one = None
-
-        async def _open_and_write(self, value, tspec, ts_context):
-            if self._one is None:
-                self._one = asyncio.Semaphore(1)
-            async with self._one:  # FIFO: the arrays are computed in the tree's order
-                t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
-                array = await asyncio.to_thread(value.compute)
-                await t.write(array, can_reference_source_data_indefinitely=True)
-
-    return _StreamingHandler()
-
-
 class _ItemJob:
     """One output item ({out_field: tree}): its arrays in the tree's order, computed a group at a
     time from the sources (average of `field` over all of them, or a copy from the first)."""
@@ -409,13 +370,17 @@ class _ItemJob:
         self.differs: str | None = None  # a non-float array that is not the same in every input
 
     def tree(self):
-        """{out_field: tree of _Lazy} shaped as the first source's stored tree of the field."""
+        """{out_field: tree of LazyArray} shaped as the first source's stored tree of the field; the
+        arrays are computed when `lazy_save.save_item` writes them."""
+        import functools
+
         import jax
 
         subtree = self.sources[0].fields[self.field][1]
         leaves, treedef = jax.tree_util.tree_flatten(subtree)
         assert len(leaves) == len(self.entries)
-        return {self.out_field: jax.tree_util.tree_unflatten(treedef, [_Lazy(self, i) for i in range(len(leaves))])}
+        lazy = [LazyArray(e.shape, e.dtype, functools.partial(self.take, i)) for i, e in enumerate(self.entries)]
+        return {self.out_field: jax.tree_util.tree_unflatten(treedef, lazy)}
 
     def take(self, i: int):
         from jaxsora.train.fingerprint import format_fingerprint, host_fingerprint
@@ -450,44 +415,6 @@ class _ItemJob:
             del got
         for i in group:
             self.ready[i] = np.ascontiguousarray(acc.pop(i).astype(np.dtype(self.entries[i].dtype), copy=False))
-
-
-def can_stream() -> bool:
-    """Whether this orbax writes numpy arrays through `NumpyHandler._open_and_write(value, tspec,
-    ts_context)`, the hook `_streaming_handler` overrides (orbax 0.11–0.12). It is private, so it is
-    checked here rather than assumed; without it the output item is computed whole first."""
-    import inspect
-
-    from orbax.checkpoint import type_handlers
-
-    hook = getattr(type_handlers.NumpyHandler, "_open_and_write", None)
-    try:
-        params = list(inspect.signature(hook).parameters) if callable(hook) else []
-    except (TypeError, ValueError):
-        return False
-    return params[1:] == ["value", "tspec", "ts_context"]
-
-
-_said_no_streaming = False
-
-
-def _save_item(item_dir: str, tree) -> None:
-    import jax
-    import orbax.checkpoint as ocp
-
-    global _said_no_streaming
-    if can_stream():
-        handler = ocp.PyTreeCheckpointHandler(
-            type_handler_registry=ocp.type_handlers.create_type_handler_registry((_Lazy, _streaming_handler())))
-    else:  # the same files and metadata (np.ndarray leaves), with the whole item in host memory
-        if not _said_no_streaming:
-            _said_no_streaming = True
-            _note(f"orbax {ocp.__version__} has no numpy write hook to stream through: each output item is "
-                  f"computed whole before it is written (host memory: one item, e.g. all params)")
-        tree = jax.tree.map(lambda leaf: leaf.compute(), tree, is_leaf=lambda x: isinstance(x, _Lazy))
-        handler = ocp.PyTreeCheckpointHandler()
-    with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(item_dir, args=ocp.args.PyTreeSave(tree))
 
 
 def _save_json(item_dir: str, value) -> None:
@@ -603,7 +530,7 @@ def average(inputs: Sequence[str], out: str, *, weights: Sequence[float] | None 
             for out_field, field, copy in plan:
                 job = _ItemJob(out_field, field, entries[field], sources, readers, copy=copy, bar=bar, arrays=arrays)
                 jobs.append(job)
-                _save_item(os.path.join(tmp, out_field), job.tree())
+                save_item(os.path.join(tmp, out_field), job.tree(), note=_note)
         bar.close()
         written = {job.out_field: len(job.entries) for job in jobs}
         if sum(written.values()) != len(arrays):  # every array was computed by us, and fingerprinted

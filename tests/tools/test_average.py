@@ -21,6 +21,7 @@ from jaxsora import ckpt as ckpt_cli
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3, trainable_filter
 from jaxsora.tools import average as avg
+from jaxsora.tools import lazy_save
 from jaxsora.train import checkpoint as ck
 from jaxsora.train.fingerprint import array_name
 from tests.conftest import REPO
@@ -141,7 +142,7 @@ def test_arrays_are_computed_while_orbax_writes_them(run, tmp_path, monkeypatch)
     whole item in memory). An equality test alone would pass if it never ran."""
     import orbax.checkpoint as ocp
 
-    assert avg.can_stream()
+    assert lazy_save.can_stream()
     saving, log = [False], []
     save = ocp.Checkpointer.save
 
@@ -170,8 +171,8 @@ def test_without_the_orbax_hook_the_output_is_the_same(run, tmp_path, monkeypatc
     """An orbax without `NumpyHandler._open_and_write(value, tspec, ts_context)` (it is private):
     each item is computed whole, then written; the result is the same checkpoint, and it is said."""
     assert avg.main([run, "--steps", "400,500,600", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
-    monkeypatch.setattr(avg, "can_stream", lambda: False)
-    monkeypatch.setattr(avg, "_said_no_streaming", False)
+    monkeypatch.setattr(lazy_save, "can_stream", lambda: False)
+    monkeypatch.setattr(lazy_save, "_said_no_streaming", False)
     capsys.readouterr()
     assert avg.main([run, "--steps", "400,500,600", "--out", str(tmp_path / "b"), "--no-progress"]) == 0
     assert "has no numpy write hook to stream through" in capsys.readouterr().err
