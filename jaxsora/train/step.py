@@ -33,6 +33,9 @@ from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_globa
 from jaxsora.train.optim import ema_update
 from jaxsora.train.state import StatePlan, TrainState
 
+# Batch entries that replace the step's own random draws (see `make_train_step`).
+EXPLICIT_DRAWS = ("t", "noise", "x_mask", "drop_ids")
+
 
 def weight_norm(params) -> jax.Array:
     return optax.tree.norm(params)
@@ -60,6 +63,10 @@ def make_train_step(
     encode_video(encoders, video, key) → latents [B, C, T', H', W'] (no gradient);
     encode_text(encoders, ids, text_mask) → [B, L, D] text states (no gradient).
     max_norm_growth: > 0 rejects an update with ‖params'‖ > max_norm_growth · ‖params‖ (0: off).
+
+    The step's random draws come from the state's key. A batch may instead carry them (`EXPLICIT_DRAWS`):
+    t [B] (already shifted) with noise [B, C, T', H', W'], x_mask [B, T'] bool, drop_ids [B] (1 = null
+    caption) — how tests/train/test_train_curve.py replays Open-Sora's own draws step for step.
     """
     mask_gen = MaskGenerator(dict(mask_ratios)) if mask_ratios else None
     sched = dict(scheduler_cfg or {})
@@ -77,20 +84,27 @@ def make_train_step(
             x0 = jax.lax.stop_gradient(encode_video(encoders, video, k_vae).astype(jnp.float32))
         y = jax.lax.stop_gradient(encode_text(encoders, batch["ids"], batch["text_mask"]))[:, None]
         b, t = x0.shape[0], x0.shape[2]
-        x_mask = mask_gen.get_masks(k_mask, b, t) if mask_gen is not None else None
+        if "x_mask" in batch:
+            x_mask = batch["x_mask"].astype(bool)
+        else:
+            x_mask = mask_gen.get_masks(k_mask, b, t) if mask_gen is not None else None
         cond = dict(y=y, mask=batch["text_mask"], fps=batch["fps"], height=batch["height"], width=batch["width"])
+        drop = dict(force_drop_ids=batch["drop_ids"]) if "drop_ids" in batch else dict(dropout_key=k_drop)
 
         def loss_fn(params):
             model = nnx.merge(graphdef, params, state.frozen)
 
             def model_fn(x_t, t_, **c):
                 with lora_dropout_rng(jax.random.fold_in(k_drop, 1)):  # LoRA adapters' dropout, if any
-                    return model(x_t, t_, dropout_key=k_drop, **c)
+                    return model(x_t, t_, **drop, **c)
 
-            per_sample = rflow.training_loss(
-                model_fn, x0, cond, k_loss, x_mask=x_mask, height=batch["height"], width=batch["width"],
-                num_frames=batch["num_frames"], **sched,
-            )
+            if "t" in batch:
+                per_sample = rflow.training_loss_explicit(model_fn, x0, cond, batch["noise"], batch["t"], x_mask=x_mask)
+            else:
+                per_sample = rflow.training_loss(
+                    model_fn, x0, cond, k_loss, x_mask=x_mask, height=batch["height"], width=batch["width"],
+                    num_frames=batch["num_frames"], **sched,
+                )
             return jnp.mean(per_sample)
 
         return jax.value_and_grad(loss_fn)(state.params)
