@@ -29,6 +29,7 @@ lint: install
 
 # The CPU demo: synthetic videos → train a small STDiT3 → checkpoint → sample an mp4 → export to PyTorch.
 DEMO ?= outputs/demo
+DEMO_SEEDS ?= 4
 demo: install
 	@# a fresh demo each time: the trainer refuses to start a new run in a folder that holds one
 	rm -rf $(DEMO)
@@ -37,16 +38,20 @@ demo: install
 	$(VPY) -m jaxsora.train --config configs/demo.py --data-path $(DEMO)/data/meta.csv --run-dir $(DEMO) \
 		--config.eval.table=$(DEMO)/eval/meta.csv
 	$(VPY) -m jaxsora.serve --preset demo --runs $(DEMO) --prompt-path $(DEMO)/data/prompts.txt --once --no-wandb
+	@# prompts.txt: the captions of the 12 (colour, shape, direction) combinations no training clip shows
 	$(VPY) -m jaxsora.sample --ckpt $(DEMO)/checkpoints --ema --output $(DEMO)/samples \
-		--prompt-file $(DEMO)/data/prompts.txt
+		--prompt-file $(DEMO)/data/prompts.txt --num-sample $(DEMO_SEEDS) --no-progress
 	$(VPY) -m jaxsora.convert to-torch $(DEMO)/checkpoints $(DEMO)/stdit3_demo_ema.safetensors --ema
+	@echo
+	@# judged by their pixels: the shape's colour, and which way it moves
+	$(VPY) -m data_tools.judge $(DEMO)/samples --png $(DEMO)/samples.png --quiet
 	@echo
 	@echo "demo done:"
 	@echo "  data         $(DEMO)/data (meta.csv, videos)"
 	@echo "  training log $(DEMO)/metrics.jsonl, validation loss $(DEMO)/eval.jsonl"
 	@echo "  per checkpoint $(DEMO)/samples/demo/<step>/ (the inference server)"
 	@echo "  checkpoints  $(DEMO)/checkpoints"
-	@echo "  samples      $(DEMO)/samples"
+	@echo "  samples      $(DEMO)/samples, every frame beside its prompt: $(DEMO)/samples.png"
 	@echo "  PyTorch      $(DEMO)/stdit3_demo_ema.safetensors (Open-Sora STDiT3 state dict)"
 
 clean-venv:

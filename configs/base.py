@@ -55,6 +55,7 @@ def get_config():
         attention_impl="auto",          # cuDNN flash attention on GPU in bf16, XLA otherwise
         freeze_y_embedder=True,         # every 1.2 stage config
         class_dropout_prob=0.1,
+        input_sq_size=512,              # the 2D pos-emb's unit: positions scale by sqrt(H·W)/input_sq_size pixels
         fix_final_layer_double_mod=False,
     ))
     # kind "opensora" uses path/dtype; kind "identity" (pixel space) uses downsample.

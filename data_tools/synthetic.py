@@ -1,12 +1,14 @@
 """`python -m data_tools.synthetic --output DIR`: a small synthetic video dataset, made on the spot.
 
 Each clip is a coloured shape (circle, square or bar) moving in one direction over a dark
-background; its caption says which ("a red circle moving right"). Videos are h264 mp4 (PyAV),
-images png; `DIR/meta.csv` has the columns the loader needs (path relative to DIR, text,
-num_frames, height, width, aspect_ratio = H/W, resolution = H·W, fps) and `DIR/prompts.txt` a few
-captions to sample with.
+background, at constant speed and never stopping at the border; its caption says which ("a red
+circle moving right on a dark background"). Videos are h264 mp4 (PyAV), images png;
+`DIR/meta.csv` has the columns the loader needs (path relative to DIR, text, num_frames, height,
+width, aspect_ratio = H/W, resolution = H·W, fps). Twelve (colour, shape, direction) combinations
+are never shown (`HELD_OUT`); `DIR/prompts.txt` lists their captions, to sample with and judge
+(`python -m data_tools.judge`): a model that follows them has learnt the words, not the captions.
 
-Presets: `--preset demo` (the CPU demo: 32×32 clips of 12 frames plus images), `--preset tests`
+Presets: `--preset demo` (the CPU demo: 240 clips of 32×32 × 9 frames plus 16 images), `--preset tests`
 (a handful of tiny clips of several sizes, aspect ratios and lengths). Any preset value can be
 overridden (`--num-videos`, `--sizes 32x32,24x40`, `--frames 12,20`, ...). Files already in DIR
 with the same names are replaced.
@@ -14,6 +16,7 @@ with the same names are replaced.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -22,6 +25,7 @@ import pandas as pd
 from PIL import Image
 
 from data_tools.stream import HelpFormatter
+from jaxsora.cli import ArgumentParser
 from jaxsora.data.video import write_mp4
 from jaxsora.errors import BadInput, OutputExists, run_cli
 
@@ -31,9 +35,20 @@ COLORS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "
           "white": (245, 245, 245), "magenta": (220, 50, 220)}
 SHAPES = ("circle", "square", "bar")
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
+BACKGROUND = (18, 18, 24)
+# (colour, shape, direction) combinations no clip shows: prompts.txt lists their captions, so that
+# samples of it test what the model learnt of each word rather than recall of a training caption.
+# i ↦ (colour i mod 6, shape i mod 3, direction i mod 4): 12 distinct combinations, each colour in
+# two, each shape in four, each direction in three.
+HELD_OUT = tuple((list(COLORS)[i % 6], SHAPES[i % 3], list(DIRECTIONS)[i % 4]) for i in range(12))
+# A clip's shape crosses this fraction of the room it has (frame size less its own size) over the clip.
+TRAVEL = 0.8
+# The shape's radius, as a fraction of the frame's short side.
+RADIUS = 0.2
 
 PRESETS = {
-    "demo": dict(num_videos=96, num_images=16, sizes=[(32, 32)], frames=[12], fps=8, seed=0),
+    # 9-frame clips: the demo's 8-frame bucket takes clips of more than 8 frames (the reference's rule).
+    "demo": dict(num_videos=240, num_images=16, sizes=[(32, 32)], frames=[9], fps=8, seed=0),
     # Stage-config sizes (240p / 144p landscape and portrait, clips long enough for the 51/102 buckets),
     # e.g. for `python -m jaxsora.train --config configs/stage1.py --data-path ... --dry-run`.
     "stage": dict(num_videos=16, num_images=8, sizes=[(240, 426), (144, 256), (426, 240), (256, 256)],
@@ -42,19 +57,35 @@ PRESETS = {
 }
 
 
-def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
-    """[T, H, W, 3] uint8: the shape crossing the frame along `direction`."""
-    r = max(3, min(h, w) // 5)
+def caption(color: str, shape: str, direction: str | None = None) -> str:
+    motion = f" moving {direction}" if direction else ""
+    return f"a {color} {shape}{motion} on a dark background"
+
+
+def _path(lo: float, hi: float, travel: float, step: int, t: int, rng: np.random.Generator) -> np.ndarray:
+    """Centre positions [T] along one axis: `step` = +1/−1 crosses `travel` of [lo, hi] at constant
+    speed without ever leaving it (the path is placed at random inside), 0 stays at a random place."""
+    if not step:
+        return np.full(t, rng.uniform(lo, hi))
+    span = (hi - lo) * travel
+    start = rng.uniform(lo, hi - span)
+    along = start + span * np.linspace(0.0, 1.0, t)
+    return along if step > 0 else along[::-1]
+
+
+def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.Generator, *,
+           radius: float = RADIUS, travel: float = TRAVEL) -> np.ndarray:
+    """[T, H, W, 3] uint8: the shape (radius: a fraction of the frame's short side) crossing the frame
+    along `direction` at constant speed over `travel` of the room it has (it never reaches the border
+    and stops, so every crop of the clip moves)."""
+    r = max(2, round(min(h, w) * radius))
     dy, dx = direction
-    cy0, cx0 = rng.uniform(r, h - r), rng.uniform(r, w - r)
-    span_y, span_x = (h - 2 * r) * 0.8, (w - 2 * r) * 0.8
+    ys, xs = _path(r, h - r, travel, dy, t, rng), _path(r, w - r, travel, dx, t, rng)
     yy, xx = np.mgrid[0:h, 0:w]
-    bg = np.array([18, 18, 24], np.uint8)
+    bg = np.array(BACKGROUND, np.uint8)
     frames = np.empty((t, h, w, 3), np.uint8)
     for i in range(t):
-        s = i / max(t - 1, 1) - 0.5
-        cy = np.clip(cy0 + dy * s * span_y if dy else cy0, r, h - r)
-        cx = np.clip(cx0 + dx * s * span_x if dx else cx0, r, w - r)
+        cy, cx = ys[i], xs[i]
         if shape == "circle":
             m = (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
         elif shape == "square":
@@ -67,7 +98,7 @@ def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.
 
 
 def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: int, seed: int,
-             progress: bool = True) -> pd.DataFrame:
+             radius: float = RADIUS, travel: float = TRAVEL, progress: bool = True) -> pd.DataFrame:
     os.makedirs(os.path.join(out, "videos"), exist_ok=True)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -78,30 +109,28 @@ def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: 
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc="synthetic data", unit="file")
+    combos = [c for c in itertools.product(COLORS, SHAPES, DIRECTIONS) if c not in HELD_OUT]
     for i in it:
-        color = list(COLORS)[rng.integers(len(COLORS))]
-        shape = SHAPES[rng.integers(len(SHAPES))]
         h, w = sizes[rng.integers(len(sizes))]
         if i < num_videos:
-            direction = list(DIRECTIONS)[rng.integers(len(DIRECTIONS))]
+            color, shape, direction = combos[rng.integers(len(combos))]
             t = int(frames[rng.integers(len(frames))])
-            clip = render(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng)
+            clip = render(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng, radius=radius, travel=travel)
             rel = f"videos/{i:05d}.mp4"
             write_mp4(clip, os.path.join(out, rel), fps, crf=12)
-            text, n, f = f"a {color} {shape} moving {direction} on a dark background", t, float(fps)
+            text, n, f = caption(color, shape, direction), t, float(fps)
         else:
-            clip = render(shape, COLORS[color], (0, 0), 1, h, w, rng)
+            color, shape = list(COLORS)[rng.integers(len(COLORS))], SHAPES[rng.integers(len(SHAPES))]
+            clip = render(shape, COLORS[color], (0, 0), 1, h, w, rng, radius=radius)
             rel = f"images/{i:05d}.png"
             Image.fromarray(clip[0]).save(os.path.join(out, rel))
-            text, n, f = f"a {color} {shape} on a dark background", 1, float("nan")
+            text, n, f = caption(color, shape), 1, float("nan")
         rows.append(dict(path=rel, text=text, num_frames=n, height=h, width=w, aspect_ratio=round(h / w, 4),
                          resolution=h * w, fps=f))
     df = pd.DataFrame(rows)
     df.to_csv(os.path.join(out, "meta.csv"), index=False)
-    prompts = ["a red circle moving right on a dark background", "a blue square moving down on a dark background",
-               "a yellow bar moving left on a dark background", "a green circle moving up on a dark background"]
     with open(os.path.join(out, "prompts.txt"), "w") as fh:
-        fh.write("\n".join(prompts) + "\n")
+        fh.write("".join(caption(*c) + "\n" for c in HELD_OUT))
     return df
 
 
@@ -126,7 +155,7 @@ def _parse_frames(s: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data_tools.synthetic", description=__doc__,
+    ap = ArgumentParser(prog="python -m data_tools.synthetic", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--output", "--out", dest="out", metavar="DIR", required=True,
                     help="folder for videos/, images/, meta.csv and prompts.txt (made if missing)")
@@ -137,6 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=_parse_frames, help="frame counts, e.g. 12,20 (default: the preset's)")
     ap.add_argument("--fps", type=int, help="fps of the videos (default: the preset's)")
     ap.add_argument("--seed", type=int, help="random seed (default: the preset's)")
+    ap.add_argument("--radius", type=float, help=f"shape radius / the frame's short side (default: the preset's, "
+                                                 f"else {RADIUS})")
+    ap.add_argument("--travel", type=float, help=f"fraction of the free room a clip's shape crosses (default: the "
+                                                 f"preset's, else {TRAVEL})")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
     args = ap.parse_args(argv)
@@ -145,7 +178,7 @@ def main(argv=None) -> int:
 
 def _main(args) -> int:
     kw = dict(PRESETS[args.preset])
-    for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed"):
+    for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed", "radius", "travel"):
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
     for k in ("num_videos", "num_images"):
@@ -153,6 +186,9 @@ def _main(args) -> int:
             raise BadInput(f"--{k.replace('_', '-')} must be ≥ 0, got {kw[k]}")
     if kw["fps"] < 1:
         raise BadInput(f"--fps must be ≥ 1, got {kw['fps']}")
+    for k in ("radius", "travel"):
+        if k in kw and not 0 < kw[k] <= (0.5 if k == "radius" else 1.0):
+            raise BadInput(f"--{k} must be in (0, {0.5 if k == 'radius' else 1.0}], got {kw[k]}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise OutputExists(f"--output {args.out} is a file; name a folder")
     df = generate(args.out, progress=not args.no_progress, **kw)

@@ -33,6 +33,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Every argparse command's parser: `--help` with the flags' defaults (HelpFormatter), and a usage
+    mistake (a bad value, an unknown flag or choice) as one line and exit code 2, not the usage block.
+    Subcommand parsers are of this class too (argparse's default parser_class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        fail(self.prog.removeprefix("python -m "), f"{message} (see --help)")
+
+
 def register_configs_package(path):
     """Config files import their base as `from configs import base`: make `configs` the package
     folder the config file lives in (the nearest folder named `configs` above it), by path —
@@ -103,10 +116,35 @@ def _unknown_override(e, argv):
     return None
 
 
+def _print_help(prog: str, define_flags: Callable[[], None], dashed: Sequence[str]) -> None:
+    """`--help`, with or without `--config`: the command's docstring and its flags (exit code 0)."""
+    from absl import flags
+
+    before = set(flags.FLAGS)
+    define_flags()
+    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    print(doc or f"python -m {prog} --config FILE [--config.KEY=VALUE ...] [flags]")
+    print("\nflags:")
+    rows = [("--config FILE", "the config file (get_config() → ConfigDict); required"),
+            ("--config.KEY=VALUE", "override one config value, e.g. --config.optim.lr=2e-4"),
+            ("--debug", "show tracebacks for user errors too (also JAXSORA_DEBUG=1)")]
+    for name in [n for n in flags.FLAGS if n not in before]:
+        flag = flags.FLAGS[name]
+        spelled = "--" + name.replace("_", "-")
+        rows.append((spelled if spelled in dashed else "--" + name,
+                     flag.help + ("" if flag.default in (None, False) else f" (default: {flag.default})")))
+    width = max(len(r[0]) for r in rows)
+    for flag_name, text in rows:
+        print(f"  {flag_name:<{width}}  {text}")
+
+
 def config_app(prog: str, define_flags: Callable[[], None], body: Callable[[], int],
                dashed: Sequence[str] = ()) -> None:
     """Define `--config` and the command's flags, parse sys.argv (flags in `dashed` may be spelled
     with dashes), run `body()` (it reads absl's FLAGS) under `run_cli` and exit with its code."""
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in sys.argv[1:]):
+        _print_help(prog, define_flags, dashed)
+        sys.exit(0)
     path = _config_path(sys.argv)
     if path is None:
         fail(prog, "--config is required, e.g. --config configs/stage1.py")

@@ -306,6 +306,24 @@ class VideoLoader:
             counts[(b[0], f, h, w)] = (n + len(rows) // gbs, gbs, r + len(rows))
         return [(k, n, gb, r) for k, (n, gb, r) in counts.items()]
 
+    def left_out_note(self, epoch: int = 0) -> str | None:
+        """One line when rows of the table sit out epoch `epoch` (None when every row has a bucket):
+        how many, and how many are clips too short for every video bucket — a T-frame bucket takes
+        clips of more than T·frame_interval frames (Open-Sora's rule), so 8-frame clips with an
+        8-frame bucket train nowhere, without an error."""
+        assigned = sum(r for *_, r in self.describe_plan(epoch))
+        total = self.num_rows
+        if assigned >= total:
+            return None
+        video_frames = [f for fr in self.bucket_config.values() for f, (p, b) in fr.items()
+                        if f != 1 and b is not None and (max(p) if isinstance(p, tuple) else p) > 0]
+        t = np.asarray(self.table.num_frames)
+        short = int(((t > 1) & (t <= min(video_frames) * self.frame_interval)).sum()) if video_frames else 0
+        why = (f"{short} are clips of too few frames for every video bucket (a T-frame bucket takes more than "
+               f"T·frame_interval frames); " if short else "")
+        return (f"epoch {epoch} trains on {assigned} of {total} rows: {why}{total - assigned - short} fit no bucket "
+                f"this epoch (keep probabilities, sizes) — --dry-run shows the plan")
+
     # ---- state --------------------------------------------------------------------------------
     def state(self) -> dict:
         """{epoch, index, fingerprint, skipped: {reason: count}} (JSON-serializable)."""

@@ -499,3 +499,19 @@ def test_temporary_table_indexes_are_removed_at_exit_and_after_a_kill(dataset, t
     assert f"jaxsora-table-{os.getpid()}-" in ours.directory
     live.communicate("", timeout=60)  # a normal exit
     assert live.returncode == 0 and not os.path.exists(live_dir)
+
+
+def test_rows_left_out_of_the_plan_are_said(dataset, tmp_path):
+    """Clips of exactly a bucket's frame count fit no video bucket (Open-Sora takes T > f frames): a table of
+    8-frame clips with an 8-frame bucket trains on its images alone — the loader says so, with the count."""
+    df = read_table(str(dataset / "meta.csv"))
+    eight = df.assign(num_frames=np.where(df.num_frames > 1, 8, 1))
+    eight.to_csv(tmp_path / "meta.csv", index=False)  # the plan reads the table only
+    loader = _loader(tmp_path / "meta.csv", extra_resolutions=RES)
+    note = loader.left_out_note(0)
+    videos = int((eight.num_frames > 1).sum())
+    assert note is not None and f"trains on {len(eight) - videos} of {len(eight)} rows" in note, note
+    assert f"{videos} are clips of too few frames for every video bucket" in note, note
+    full = _loader(dataset / "meta.csv", extra_resolutions=RES, seed=3)
+    assigned = sum(d[3] for d in full.describe_plan(0))
+    assert (full.left_out_note(0) is None) == (assigned == full.num_rows)

@@ -1,0 +1,220 @@
+"""`python -m data_tools.judge DIR`: do sampled videos of the synthetic set show what their prompts say?
+
+The synthetic set (`data_tools.synthetic`) draws one coloured shape moving in one direction over a
+dark background, and its caption names both ("a red circle moving right on a dark background").
+This judges a video by its pixels alone:
+
+- colour: the foreground (pixels far from the background colour), its stronger half averaged over
+  all frames, matched to the nearest colour of the set's palette;
+- motion: the foreground's centroid in every frame, a least-squares line through it over the frames;
+  the direction is the dominant axis of that line's travel (first to last frame) and its sign. A
+  travel under `MIN_TRAVEL` of the frame's side, or frames with no foreground, is "none".
+
+The judge is checked on the set's own clips (tests/data_tools/test_judge.py): every training clip
+gets its caption's colour and direction.
+
+DIR holds `sample_NNNN.mp4` + `sample_NNNN.json` (what `jaxsora.sample` writes; the sidecar's
+`prompt` is the caption judged against). It prints one line per sample and the summary
+"samples follow their prompts: colour k/n, motion m/n", and with `--png FILE` draws every sample's
+frames in a row beside its prompt and verdict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+from data_tools.stream import HelpFormatter
+from data_tools.synthetic import BACKGROUND, COLORS, DIRECTIONS, SHAPES
+from jaxsora.cli import ArgumentParser
+from jaxsora.errors import BadInput, run_cli
+
+PROG = "data_tools.judge"
+
+# A pixel is foreground when its RGB distance from the background exceeds this (the darkest palette
+# colour, blue (50, 90, 240), is ~230 away; codec noise on the background stays under ~20).
+FOREGROUND_DISTANCE = 80.0
+# Foreground pixels a frame needs for its centroid to count (a 32×32 frame's smallest shape, a bar
+# of radius 6 drawn 3 wide, covers ~90 pixels).
+MIN_FOREGROUND_PIXELS = 6
+# The centroid's travel over the clip, as a fraction of the frame's side along that axis, below which
+# the shape is judged not to move. The set's clips travel 0.5 of the frame or more over 12 frames
+# (~0.3 over an 8-frame crop); 0.05 is 1.6 px at 32 px.
+MIN_TRAVEL = 0.05
+
+_CAPTION = re.compile(r"\ba (?P<colour>\w+) (?P<shape>\w+)(?: moving (?P<direction>\w+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    colour: str | None  # nearest palette colour of the foreground (None: no foreground)
+    direction: str  # "right" | "left" | "down" | "up" | "none"
+    travel: tuple  # (dy, dx) of the fitted centroid line, first to last frame, in pixels
+
+
+def parse_caption(text: str) -> dict:
+    """The colour, shape and direction a caption of the synthetic set names (None where absent)."""
+    m = _CAPTION.search(text.lower())
+    if not m or m["colour"] not in COLORS or m["shape"] not in SHAPES:
+        return dict(colour=None, shape=None, direction=None)
+    direction = m["direction"] if m["direction"] in DIRECTIONS else None
+    return dict(colour=m["colour"], shape=m["shape"], direction=direction)
+
+
+def judge_frames(frames: np.ndarray) -> Verdict:
+    """frames: [T, H, W, 3] uint8 (or float in 0..255) → the colour and motion they show."""
+    f = np.asarray(frames, np.float32)
+    if f.ndim != 4 or f.shape[-1] != 3:
+        raise ValueError(f"expected frames [T, H, W, 3], got {f.shape}")
+    t, h, w, _ = f.shape
+    dist = np.linalg.norm(f - np.asarray(BACKGROUND, np.float32), axis=-1)  # [T, H, W]
+    fg = dist > FOREGROUND_DISTANCE
+    if not fg.any():
+        return Verdict(None, "none", (0.0, 0.0))
+    # the colour of the strongest half of the foreground: a motion trail or a soft edge, blended with the
+    # background, would pull the mean toward it
+    mean_rgb = f[fg & (dist >= np.median(dist[fg]))].mean(axis=0)
+    names = list(COLORS)
+    palette = np.asarray([COLORS[n] for n in names], np.float32)
+    colour = names[int(np.argmin(np.linalg.norm(palette - mean_rgb, axis=1)))]
+
+    counts = fg.sum(axis=(1, 2))
+    ok = counts >= MIN_FOREGROUND_PIXELS
+    if t < 2 or ok.sum() < 2:
+        return Verdict(colour, "none", (0.0, 0.0))
+    yy, xx = np.mgrid[0:h, 0:w]
+    cy = (fg * yy).sum(axis=(1, 2))[ok] / counts[ok]
+    cx = (fg * xx).sum(axis=(1, 2))[ok] / counts[ok]
+    frames_idx = np.arange(t, dtype=np.float32)[ok]
+    span = float(t - 1)
+    dy = float(np.polyfit(frames_idx, cy, 1)[0]) * span
+    dx = float(np.polyfit(frames_idx, cx, 1)[0]) * span
+    if max(abs(dy) / h, abs(dx) / w) < MIN_TRAVEL:
+        return Verdict(colour, "none", (dy, dx))
+    horizontal = abs(dx) / w >= abs(dy) / h
+    direction = ("right" if dx > 0 else "left") if horizontal else ("down" if dy > 0 else "up")
+    return Verdict(colour, direction, (dy, dx))
+
+
+def read_video(path: str) -> np.ndarray:
+    """Every frame of a video (or the one frame of an image) as [T, H, W, 3] uint8."""
+    if not path.lower().endswith((".mp4", ".mkv", ".mov", ".avi", ".webm")):
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))[None]
+    import av
+
+    with av.open(path) as container:
+        frames = [fr.to_ndarray(format="rgb24") for fr in container.decode(video=0)]
+    if not frames:
+        raise BadInput(f"{path}: no frames")
+    return np.stack(frames)
+
+
+@dataclasses.dataclass
+class Judged:
+    path: str
+    prompt: str
+    frames: np.ndarray
+    verdict: Verdict
+    asked: dict
+
+    @property
+    def colour_ok(self) -> bool:
+        return self.asked["colour"] is not None and self.verdict.colour == self.asked["colour"]
+
+    @property
+    def motion_ok(self) -> bool:
+        return self.asked["direction"] is not None and self.verdict.direction == self.asked["direction"]
+
+
+def judge_folder(folder: str) -> list[Judged]:
+    """Every `sample_*.{mp4,png}` in `folder` (not its subfolders) with its sidecar's prompt."""
+    sidecars = sorted(glob.glob(os.path.join(folder, "sample_*.json")))
+    out = []
+    for side in sidecars:
+        stem = side[: -len(".json")]
+        media = next((stem + ext for ext in (".mp4", ".png") if os.path.exists(stem + ext)), None)
+        if media is None:
+            continue
+        with open(side) as fh:
+            meta = json.load(fh)
+        prompt = meta.get("prompt") or meta.get("prompt_as_given") or ""
+        frames = read_video(media)
+        out.append(Judged(media, prompt, frames, judge_frames(frames), parse_caption(prompt)))
+    return out
+
+
+def summary(judged: list[Judged]) -> str:
+    """"samples follow their prompts: colour k/n, motion m/n" (motion over prompts naming one)."""
+    n_col = sum(j.asked["colour"] is not None for j in judged)
+    n_mot = sum(j.asked["direction"] is not None for j in judged)
+    k = sum(j.colour_ok for j in judged)
+    m = sum(j.motion_ok for j in judged)
+    return f"samples follow their prompts: colour {k}/{n_col}, motion {m}/{n_mot}"
+
+
+def draw_grid(judged: list[Judged], path: str, scale: int = 3) -> str:
+    """A PNG: one row per sample, its prompt and verdict on the left, its frames to the right."""
+    from PIL import Image, ImageDraw
+
+    if not judged:
+        raise BadInput("no samples to draw")
+    max_t = max(j.frames.shape[0] for j in judged)
+    fh, fw = max(j.frames.shape[1] for j in judged) * scale, max(j.frames.shape[2] for j in judged) * scale
+    text_w, gap = 330, 4
+    row_h = max(fh, 34) + gap
+    img = Image.new("RGB", (text_w + max_t * (fw + gap), len(judged) * row_h + gap), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    for r, j in enumerate(judged):
+        y = gap + r * row_h
+        marks = f"colour {'ok' if j.colour_ok else 'NO'} ({j.verdict.colour}), " \
+                f"motion {'ok' if j.motion_ok else 'NO'} ({j.verdict.direction})"
+        prompt = j.prompt.replace(" on a dark background", "")
+        draw.text((4, y + 2), prompt, fill=(0, 0, 0))
+        draw.text((4, y + 16), marks, fill=(0, 110, 0) if j.colour_ok and j.motion_ok else (180, 0, 0))
+        for i, frame in enumerate(j.frames):
+            tile = Image.fromarray(np.asarray(frame, np.uint8)).resize(
+                (frame.shape[1] * scale, frame.shape[0] * scale), Image.NEAREST)
+            img.paste(tile, (text_w + i * (fw + gap), y))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = ArgumentParser(prog="python -m data_tools.judge", description=__doc__,
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("input", metavar="DIR", help="folder of sample_NNNN.mp4 + .json (jaxsora.sample --output)")
+    ap.add_argument("--png", metavar="FILE", help="write a picture of every sample's frames beside its prompt")
+    ap.add_argument("--quiet", action="store_true", help="print the summary line only")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
+    args = ap.parse_args(argv)
+    return run_cli(PROG, lambda: _main(args), sys.argv if argv is None else list(argv))
+
+
+def _main(args) -> int:
+    if not os.path.isdir(args.input):
+        raise BadInput(f"{args.input}: no such folder")
+    judged = judge_folder(args.input)
+    if not judged:
+        raise BadInput(f"{args.input}: no sample_NNNN.mp4/.png with a .json sidecar")
+    if not args.quiet:
+        for j in judged:
+            dy, dx = j.verdict.travel
+            print(f"{os.path.relpath(j.path, args.input)}: asked {j.asked['colour']} {j.asked['direction']}, "
+                  f"shows {j.verdict.colour} {j.verdict.direction} (travel dy {dy:+.1f} dx {dx:+.1f} px)")
+    if args.png:
+        print(f"frames → {draw_grid(judged, args.png)}")
+    print(summary(judged))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
