@@ -51,6 +51,7 @@ from typing import Any
 # Host work only: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxsora.cli import ArgumentParser  # noqa: E402
 from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
 from jaxsora.tools.lazy_save import LazyArray, save_item  # noqa: E402
 
@@ -60,11 +61,21 @@ PROG = "jaxsora.tools.average"
 GROUP_BYTES = 32 << 20
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a usage mistake as one line (exit code 2 through run_cli)."""
-
-    def error(self, message):
-        raise BadInput(f"{message} (see --help)")
+def _remove_settled(path: str, settle_s: float = 0.3, limit_s: float = 20.0) -> None:
+    """Remove `path` and keep removing it until it stays gone for `settle_s`: a save that failed midway
+    can leave orbax/tensorstore writes in flight (other arrays, metadata) that land after a first
+    rmtree, and a refused average must leave nothing behind."""
+    deadline = time.monotonic() + limit_s
+    gone_since = None
+    while time.monotonic() < deadline:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.exists(path):
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since >= settle_s:
+            return
+        time.sleep(0.05)
 
 
 def _note(msg: str):
@@ -562,9 +573,7 @@ def average(inputs: Sequence[str], out: str, *, weights: Sequence[float] | None 
         os.rename(tmp, final)
     except BaseException as e:
         bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
+        _remove_settled(out if created else tmp)
         error = _job_error(e)
         if error is not None:
             raise error from None
@@ -601,8 +610,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
-                 epilog="exit status: 0 written, 2 a usage mistake or an unusable input")
+    ap = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
+                        epilog="exit status: 0 written, 2 a usage mistake or an unusable input")
     ap.add_argument("ckpt", nargs="+",
                     help="step folders (…/checkpoints/600), or run / checkpoints folders with --steps")
     ap.add_argument("--output", "--out", dest="out", required=True,
