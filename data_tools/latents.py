@@ -67,6 +67,23 @@ def _process_mesh_shape(mesh_cfg, num_devices: int, num_processes: int) -> dict[
     return dict(shape, data=shape["data"] // num_processes)
 
 
+def _shard_done(out: str, name: str) -> bool:
+    """A shard recorded as written whose file holds its records; a damaged one (truncated, replaced,
+    missing) is said and made again."""
+    progress = os.path.join(out, F.PROGRESS, name + ".json")
+    try:
+        with open(progress) as f:
+            rows = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError):
+        return False
+    problem = F.shard_problem(os.path.join(out, name), len(rows))
+    if problem:
+        print(f"[precompute] shard {name} {problem}: making it again", file=sys.stderr, flush=True)
+        os.remove(progress)
+        return False
+    return True
+
+
 def _prepare_dir(out: str, plan_doc: dict, overwrite: bool) -> None:
     """A new directory, the same plan again (resume), or — with overwrite — a cleared one."""
     path = os.path.join(out, F.PLAN)
@@ -184,7 +201,7 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
     features = F.tfds_features(encoders.in_channels, D, store_dtype)
     n_units = len(units)
     mine = [i for i in range(n_units) if i % num_processes == jax.process_index()]
-    todo = [i for i in mine if not os.path.exists(os.path.join(out, F.PROGRESS, F.shard_name(i, n_units) + ".json"))]
+    todo = [i for i in mine if not _shard_done(out, F.shard_name(i, n_units))]
     if is_main and len(todo) < len(mine):
         print(f"[precompute] resuming: {len(mine) - len(todo)} of {len(mine)} shards already encoded", file=sys.stderr)
     bar = tqdm(total=sum(len(units[i][1]) for i in todo), desc="encoding clips", unit="clip",
@@ -244,7 +261,7 @@ def precompute_features(config, out: str, *, shard_size: int = DEFAULT_SHARD_SIZ
                     for j, (row, _, fps, _) in enumerate(good):
                         m = text_in["text_mask"][j].astype(bool)
                         n = int(m.sum())
-                        writer.write(features.serialize_example(dict(
+                        writer.write(F.serialize_record(features, dict(
                             row=row, bucket=keys.index(key), text=table.text(row), length=n,
                             latent=lat[j].astype(sdt), y=y[j, :n].astype(sdt), fps=fps, num_frames=t, height=h,
                             width=w)))

@@ -19,14 +19,13 @@ Record i of the cache is table row i (CSV or parquet, column `--text-column`, de
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import sys
 from collections.abc import Sequence
 
-from jaxsora.cli import HelpFormatter
+from jaxsora.cli import ArgumentParser, HelpFormatter
 from jaxsora.errors import BadInput, MissingFile, OutputExists, UnknownKey
 
 
@@ -76,7 +75,7 @@ def read_captions(table: str, column: str = "text") -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="python -m data_tools.precompute", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--latents", action="store_true",
                    help="a feature cache (VAE latents + text states per clip) from --config, not text states only")

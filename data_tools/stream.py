@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from jaxsora.cli import HelpFormatter  # noqa: F401  (the data tools' --help; parser() uses it)
+from jaxsora.cli import ArgumentParser, HelpFormatter  # noqa: F401  (the data tools' --help; parser() uses it)
 from jaxsora.errors import BadInput, OutputExists, UnknownKey, UserError, run_cli
 
 DEFAULT_CHUNK_ROWS = 100_000
@@ -41,7 +41,7 @@ STRING_COLUMNS = ("path", "text")  # never turned into numbers
 
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A tool's parser; the tool adds its flags, then `parse_args` adds the common ones and parses."""
-    return argparse.ArgumentParser(prog=f"python -m data_tools.{prog}", description=doc, allow_abbrev=False,
+    return ArgumentParser(prog=f"python -m data_tools.{prog}", description=doc, allow_abbrev=False,
                                    formatter_class=HelpFormatter)
 
 

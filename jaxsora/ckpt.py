@@ -24,6 +24,7 @@ import argparse
 import os
 import sys
 
+from jaxsora.cli import ArgumentParser
 from jaxsora.cli import HelpFormatter as _Help
 
 # The checks run on the host: never take an accelerator (a training job may hold it).
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     """The command's body; a CheckpointError propagates (see `run`)."""
     from jaxsora.errors import BadInput
 
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.ckpt", description=__doc__, formatter_class=_Help,
+    ap = ArgumentParser(prog="python -m jaxsora.ckpt", description=__doc__, formatter_class=_Help,
                                  epilog="exit status: 0 all intact, 1 some corrupt or partial (verify), 2 usage error")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = ap.add_subparsers(dest="cmd", required=True)

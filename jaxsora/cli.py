@@ -43,7 +43,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        fail(self.prog.removeprefix("python -m "), f"{message} (see --help)")
+        fail(self.prog.removeprefix("python -m ").split()[0], f"{message} (see --help)")  # a subcommand: its command
 
 
 def register_configs_package(path):

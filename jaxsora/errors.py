@@ -20,10 +20,14 @@ EXIT_USER_ERROR = 2  # argparse's and absl's code for a usage error
 # `python -m jaxsora.train`'s other exit codes: 3 after train.max_nonfinite_steps rejected steps in a
 # row; 75 (EX_TEMPFAIL, sysexits.h) stopped by a signal (SIGTERM, preemption) after saving a
 # checkpoint, so run again with --load (launch/slurm.sbatch requeues the job on it).
+# 76 (EX_PROTOCOL) another process of a multi-process run was lost (killed, its host gone): every
+# survivor stops with one line naming it and the checkpoint to --load (jaxsora.parallel.peers).
 EXIT_NONFINITE = 3
 EXIT_STOPPED = 75
+EXIT_PEER_LOST = 76
 TRAIN_EXIT_MEANINGS = {0: "done", 1: "crashed: see its log", EXIT_USER_ERROR: "user error: see its log",
                        EXIT_NONFINITE: "non-finite steps: see its log", EXIT_STOPPED: "stopped: --load resumes",
+                       EXIT_PEER_LOST: "another process was lost: --load resumes",
                        137: "killed (SIGKILL or out of memory)", 143: "terminated (SIGTERM)"}
 
 

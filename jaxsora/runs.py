@@ -19,7 +19,6 @@ filesystem — and is never handed out again, even when its run folder is delete
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -28,6 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from jaxsora.cli import ArgumentParser
 from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.errors import BadInput, MissingFile, run_cli
 
@@ -263,7 +263,7 @@ def format_table(runs: Sequence[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.runs", description=__doc__, formatter_class=_Help)
+    ap = ArgumentParser(prog="python -m jaxsora.runs", description=__doc__, formatter_class=_Help)
     ap.add_argument("outputs", nargs="?", default=None, metavar="OUTPUTS",
                     help="the outputs folder (default: outputs)")
     ap.add_argument("--outputs", dest="outputs_opt", metavar="OUTPUTS", default=None,

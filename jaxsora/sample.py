@@ -28,17 +28,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxsora.cli import HelpFormatter as _Help
+from jaxsora.cli import ArgumentParser  # noqa: E402
+from jaxsora.cli import HelpFormatter as _Help  # noqa: E402
 from jaxsora.errors import BadInput, MissingFile, run_cli
 
 _UNSET = object()  # --aes/--flow not given (None means "append nothing")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a usage mistake as one line (exit code 2 through run_cli)."""
-
-    def error(self, message):
-        raise BadInput(f"{message} (see --help)")
 
 
 def _score(v: str):
@@ -50,10 +44,8 @@ def _score(v: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {v!r}") from None
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
+    ap = ArgumentParser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
     g = ap.add_argument_group("checkpoint")
     g.add_argument("ckpt", nargs="?", help="run folder, checkpoints/ folder, step folder or converted checkpoint")
     g.add_argument("--ckpt", "--ckpt-path", dest="ckpt_opt", metavar="CKPT", help="the same as the positional CKPT")

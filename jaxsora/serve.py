@@ -21,13 +21,15 @@ Open-Sora's inference defaults otherwise (30 steps, CFG 7, aesthetic score 6.5).
 
 A checkpoint is sampled once it is complete (its `integrity.json` is there; one still being
 written or copied is retried at the next poll); one that vanished before it was read (the
-training's keep policy) is skipped with a note. `<save root>/serve_state.json` records what was
+training's keep policy) is skipped with a note, and so is a step folder whose integrity record
+names another step (a copied or renamed folder holds that step's weights, not its name's). Each
+pass prints one line per run: the complete checkpoints seen, sampled, done before, waiting for
+completion and skipped. `<save root>/serve_state.json` records what was
 done per run, preset and step, so a restarted server redoes nothing. `--interval` sets the poll
 period; `--once` does one pass and exits.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -35,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from jaxsora.cli import ArgumentParser
 from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.errors import BadInput, MissingFile, run_cli
 from jaxsora.runs import find_run
@@ -77,14 +80,33 @@ def _complete(path: str) -> bool:
         return False
 
 
-def complete_steps(run: str) -> list[int]:
-    """Steps of the run whose checkpoint is complete; one still being written is left for later."""
+def _steps(run: str, complete: bool) -> list[int]:
     root = _checkpoints_root(run)
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    return sorted(int(n) for n in names if n.isdigit() and _complete(os.path.join(root, n)))
+    return sorted(int(n) for n in names if n.isdigit() and _complete(os.path.join(root, n)) == complete)
+
+
+def complete_steps(run: str) -> list[int]:
+    """Steps of the run whose checkpoint is complete; one still being written is left for later."""
+    return _steps(run, True)
+
+
+def waiting_steps(run: str) -> list[int]:
+    """Steps whose folder is there but not complete yet (being written or copied)."""
+    return _steps(run, False)
+
+
+def recorded_step(step_path: str) -> int | None:
+    """The step a folder's integrity record names (None: no record, or one without a step)."""
+    try:
+        with open(os.path.join(step_path, INTEGRITY_FILE)) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(step) if isinstance(step, int) else None
 
 
 def step_dir(run: str, step: int) -> str:
@@ -248,10 +270,16 @@ def serve(opts: ServeOptions, *, sampler: Callable | None = None, sink=None, log
     while True:
         for run in runs:
             state = states[run]
-            for step in complete_steps(run):
+            seen, sampled, before, skipped = complete_steps(run), [], 0, []
+            for step in seen:
                 if state.done(run, opts.preset, step):
+                    before += 1
                     continue
                 path = step_dir(run, step)
+                named = recorded_step(path)
+                if named is not None and named != step:  # a copied or renamed folder: its weights are another step's
+                    skipped.append(f"{step} (its integrity.json is of step {named}: a copied or renamed folder)")
+                    continue
                 save_dir = os.path.join(run, "samples", opts.preset, str(step))
                 t0 = time.monotonic()
                 try:
@@ -262,6 +290,7 @@ def serve(opts: ServeOptions, *, sampler: Callable | None = None, sink=None, log
                         raise
                     log(f"[serve] {os.path.basename(run)} step {step}: checkpoint vanished before it was read ({e})")
                     state.record(run, opts.preset, step, dict(status="vanished"))
+                    skipped.append(f"{step} (vanished)")
                     continue
                 logged = sink.log(run, meta, opts.preset, step, paths, prompts) if sink is not None else None
                 state.record(run, opts.preset, step, dict(status="done", videos=[os.path.relpath(p, run)
@@ -269,16 +298,30 @@ def serve(opts: ServeOptions, *, sampler: Callable | None = None, sink=None, log
                                                           wandb_id=logged, seconds=round(time.monotonic() - t0, 1)))
                 log(f"[serve] {os.path.basename(run)} step {step}: {len(paths)} video(s) → {save_dir}"
                     + (f", logged to wandb run {logged}" if logged else ""))
+                sampled.append(step)
+            log(_pass_line(run, polls + 1, seen, sampled, before, waiting_steps(run), skipped))
         polls += 1
         if opts.once or (opts.max_polls is not None and polls >= opts.max_polls):
             return {run: states[run].data.get(run, {}) for run in runs}
         time.sleep(opts.interval)
 
 
+def _pass_line(run, number, seen, sampled, before, waiting, skipped) -> str:
+    """One line per run per pass: what the server saw and did, also when it did nothing."""
+    def steps(xs):
+        return ", ".join(str(x) for x in xs)
+
+    parts = [f"{len(seen)} complete checkpoint(s)",
+             f"sampled {len(sampled)}" + (f" ({steps(sampled)})" if sampled else ""), f"done before {before}"]
+    if waiting:
+        parts.append(f"waiting for completion: {steps(waiting)}")
+    if skipped:
+        parts.append(f"skipped: {'; '.join(skipped)}")
+    return f"[serve] {os.path.basename(run)} pass {number}: " + ", ".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.serve", description=__doc__, formatter_class=_Help)
+    ap = ArgumentParser(prog="python -m jaxsora.serve", description=__doc__, formatter_class=_Help)
     ap.add_argument("--preset", required=True, help=f"sampling preset: {', '.join(PRESETS)} or one of --presets-file")
     ap.add_argument("--runs", "--expnums", nargs="+", required=True, help="run folders or experiment numbers")
     ap.add_argument("--outputs", default="outputs", help="where experiment numbers are looked up (default: outputs)")

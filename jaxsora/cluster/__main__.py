@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from jaxsora.cli import ArgumentParser
 from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import read_hostfile, slurm_hosts
@@ -37,7 +38,7 @@ def _common(parser: argparse.ArgumentParser, default) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.cluster", description=sys.modules["jaxsora.cluster"].__doc__,
+    ap = ArgumentParser(prog="python -m jaxsora.cluster", description=sys.modules["jaxsora.cluster"].__doc__,
                                  formatter_class=_Help)
     _common(ap, None)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", required=True)

@@ -1,12 +1,12 @@
 """`python -m jaxsora.convert {to-torch,from-torch} ...` — see jaxsora/convert/__init__.py."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 import ml_dtypes
 import numpy as np
 
+from jaxsora.cli import ArgumentParser
 from jaxsora.errors import BadInput, run_cli
 
 
@@ -26,7 +26,7 @@ def _parse_overrides(items):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxsora.convert", description=__doc__)
+    ap = ArgumentParser(prog="python -m jaxsora.convert", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("to-torch", help="jaxsora checkpoint → Open-Sora STDiT3 state dict")
     t.add_argument("ckpt", help="jaxsora checkpoint folder (training output or from-torch output)")

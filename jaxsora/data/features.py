@@ -86,6 +86,36 @@ def bucket_key(entry: Mapping) -> tuple:
     return (str(res), int(frames), str(ar))
 
 
+def serialize_record(features, record: Mapping) -> bytes:
+    """One record's bytes: TFDS's tf.train.Example, serialized with its feature map in key order
+    (protobuf's default map order varies between processes, so two runs of the same precompute
+    would write different shard bytes and a cache could not be checked by its checksums)."""
+    from tensorflow_datasets.proto import tf_example_pb2
+
+    return tf_example_pb2.Example.FromString(features.serialize_example(record)).SerializeToString(deterministic=True)
+
+
+def shard_problem(path: str, expected: int | None) -> str | None:
+    """None when the ArrayRecord shard at `path` is there and holds `expected` records (None: any);
+    else what is wrong with it. Reads only the file's footer (a truncated file has none: 0 records)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    if not os.path.exists(path):
+        return "is missing"
+    try:
+        reader = ArrayRecordReader(path)
+        try:
+            n = int(reader.num_records())
+        finally:
+            reader.close()
+    except Exception as e:  # noqa: BLE001 — any reader error: the file is not a readable shard
+        detail = " ".join(str(e).split())[:120]
+        return f"is unreadable (truncated, or not an ArrayRecord file{': ' + detail if detail else ''})"
+    if expected is not None and n != int(expected):
+        return f"holds {n} records where {int(expected)} were written (truncated, or another file)"
+    return None
+
+
 class FeatureStore:
     """Random access to a finished feature directory. Picklable (the TFDS source reopens lazily),
     so it can travel into grain workers.
@@ -109,10 +139,13 @@ class FeatureStore:
             raise FeatureCacheError(f"{path} does not read as JSON: {e}") from None
         if self.manifest.get("format") != FORMAT:
             raise FeatureCacheError(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
-        missing = [s for s in self.manifest["shards"] if not os.path.exists(os.path.join(self.dir, s))]
-        if missing:
-            raise FeatureCacheError(f"{self.dir}: {len(missing)} shard(s) listed in {MANIFEST} are missing, "
-                                    f"e.g. {missing[0]}")
+        lengths = self.manifest.get("shard_lengths") or [None] * len(self.manifest["shards"])
+        for name, n in zip(self.manifest["shards"], lengths):  # every shard, before a run takes its folder
+            problem = shard_problem(os.path.join(self.dir, name), n)
+            if problem:
+                raise FeatureCacheError(
+                    f"{self.dir}: shard {name} {problem}: run the same `python -m data_tools.precompute` command "
+                    f"again to re-make it (or --overwrite to re-make the whole cache)")
         try:
             with np.load(os.path.join(self.dir, ASSIGNMENT)) as a:
                 self.record_rows = np.asarray(a["rows"], np.int64)

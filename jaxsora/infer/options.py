@@ -76,6 +76,15 @@ class SampleSettings:
                 d[k] = list(d[k])
         return d
 
+    def in_effect(self) -> dict:
+        """`to_dict()` less the settings this one does not use: with `image_size` given, the named
+        resolution and aspect ratio (a sample's sidecar records what made it, not unused defaults)."""
+        d = self.to_dict()
+        if self.image_size is not None:
+            d.pop("resolution")
+            d.pop("aspect_ratio")
+        return d
+
     def validate(self, extra_resolutions: Mapping | None = None) -> Resolved:
         """Check every value; returns the resolved sizes. Raises BadInput naming the setting."""
         h, w = get_image_size(self.resolution, self.aspect_ratio, extra_resolutions) if self.image_size is None \

@@ -74,7 +74,7 @@ def write_samples(videos: Sequence[np.ndarray], prompts: Sequence[str], settings
                       "prompt_crc32": prompt_hash(prompt), "occurrence": occ[i]},
             "frames": int(video.shape[0]), "height": int(video.shape[1]), "width": int(video.shape[2]),
             "fps": fps,
-            "settings": settings.to_dict(),
+            "settings": settings.in_effect(),
             **({"requested": {"num_frames": res.num_frames, "height": res.height, "width": res.width}} if res else {}),
             **(meta or {}),
         }

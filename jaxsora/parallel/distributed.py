@@ -217,4 +217,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     _announced = True
     if jax.process_index() == 0:
         print(f"[jaxsora] jax.distributed: {jax.process_count()} processes, {jax.device_count()} devices", flush=True)
+    from jaxsora.parallel import peers
+
+    peers.start(jax.process_count(), jax.process_index())  # a lost process ends the others in one line
     return True

@@ -12,9 +12,12 @@ merge             W ← W + (alpha/rank)·A·B for every adapted Linear (float64
                   `lora.rank` 0 and a `lora.merged` record) that sampling, `--ckpt-path` and
                   `python -m jaxsora.convert to-torch` read. OUT.safetensors / .pth: the Open-Sora
                   STDiT3 state dict directly (as `convert to-torch` writes it).
-export-adapters   the adapters alone, peft's layout: `<module>.lora_A.weight` [r, din] and
+export-adapters   the adapters alone. OUT a folder: peft's own adapter folder
+                  (`adapter_config.json` + `adapter_model.safetensors`), which
+                  `PeftModel.from_pretrained(stdit3, OUT)` loads onto Open-Sora's PyTorch STDiT3.
+                  OUT.safetensors (or .pth): the bare tensors `<module>.lora_A.weight` [r, din] and
                   `<module>.lora_B.weight` [dout, r] (PyTorch module paths, e.g.
-                  `spatial_blocks.0.attn.qkv`), to OUT.safetensors (or .pth); the safetensors
+                  `spatial_blocks.0.attn.qkv`), for peft's `inject_adapter_in_model`; the safetensors
                   metadata records rank, alpha, scale, the target patterns and the adapted modules.
 
 OUT (`--output`, or its older spelling `--out`) must not exist (a folder may exist empty). Host
@@ -32,26 +35,21 @@ from collections.abc import Sequence
 # Host work only: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxsora.cli import HelpFormatter as _Help
+from jaxsora.cli import ArgumentParser  # noqa: E402
+from jaxsora.cli import HelpFormatter as _Help  # noqa: E402
 from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
 
 PROG = "jaxsora.tools.lora"
 TORCH_OUT = (".safetensors", ".pth", ".pt")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise BadInput(f"{message} (see --help)")
-
-
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=f"python -m {PROG}", description=__doc__, formatter_class=_Help)
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    ap = ArgumentParser(prog=f"python -m {PROG}", description=__doc__, formatter_class=_Help)
+    sub = ap.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("merge", "adapters merged into the base: a jaxsora checkpoint folder or an Open-Sora "
                                   "state dict (.safetensors/.pth)"),
-                        ("export-adapters", "the adapters alone, peft layout (lora_A [r, din], lora_B [dout, r])")):
+                        ("export-adapters", "the adapters alone: OUT a folder is peft's adapter folder "
+                                            "(PeftModel.from_pretrained), OUT.safetensors the bare tensors")):
         p = sub.add_parser(name, help=help_, description=help_, formatter_class=_Help)
         p.add_argument("--ckpt", required=True, help="a LoRA run folder, its checkpoints/ folder or one step folder")
         p.add_argument("--output", "--out", dest="out", metavar="OUT", required=True,
@@ -196,7 +194,7 @@ def export_adapters(path: str, out: str, *, step: int | None = None, ema: bool =
                     dtype: str = "fp32") -> dict:
     from jaxsora.models import lora
 
-    _check_out(out, TORCH_OUT)
+    _check_out(out, (*TORCH_OUT, ".folder"))
     step_dir, config, spec, cfg, flat = read_lora_checkpoint(path, step=step, ema=ema)
     sd = lora.to_torch_adapters(flat, dtype=_torch_dtype(dtype))
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in sd})
@@ -204,8 +202,44 @@ def export_adapters(path: str, out: str, *, step: int | None = None, ema: bool =
             "lora_scale": repr(spec.scale), "lora_targets": json.dumps(list(spec.targets)),
             "lora_modules": json.dumps(modules), "checkpoint": step_dir, "ema": str(bool(ema)).lower(),
             "base": str((config.get("lora") or {}).get("base", ""))}
-    _write_torch(sd, out, meta)
+    if out.endswith(TORCH_OUT):
+        _write_torch(sd, out, meta)
+    else:
+        _write_peft_folder(sd, out, spec, modules, meta)
     return dict(out=out, modules=modules, step_dir=step_dir, tensors=len(sd))
+
+
+# peft's adapter folder (peft.utils.constants CONFIG_NAME / SAFETENSORS_WEIGHTS_NAME); its tensor
+# names carry the PeftModel prefix, which set_peft_model_state_dict strips again.
+PEFT_CONFIG, PEFT_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
+
+
+def _write_peft_folder(sd: dict, out: str, spec, modules: Sequence[str], meta: dict) -> None:
+    """`PeftModel.from_pretrained(model, out)`'s folder: the LoRA config (rank, alpha, dropout, the exact
+    module paths as target_modules: peft matches a name equal to a target) and the prefixed tensors.
+    Written into a temporary folder beside OUT and renamed."""
+    import shutil
+
+    from jaxsora.convert import torch as tconv
+
+    config = dict(peft_type="LORA", task_type=None, base_model_name_or_path=None, inference_mode=True,
+                  r=int(spec.rank), lora_alpha=float(spec.alpha), lora_dropout=float(spec.dropout),
+                  target_modules=list(modules), bias="none", fan_in_fan_out=False, use_rslora=False,
+                  init_lora_weights=True, modules_to_save=None)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.normpath(out))}.tmp-{os.getpid()}")
+    try:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, PEFT_CONFIG), "w") as f:
+            json.dump(config, f, indent=1)
+        tconv.save_torch_state_dict({PEFT_PREFIX + k: v for k, v in sd.items()}, os.path.join(tmp, PEFT_WEIGHTS),
+                                    metadata=meta)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (_check_out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

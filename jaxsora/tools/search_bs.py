@@ -24,7 +24,7 @@ import os
 def search(config, *, fraction: float = 0.9, max_batch: int | None = None, use_table: bool = True,
            threads: int = 0, progress: bool = True) -> dict:
     """{"bucket_config": {...}, "rows": [...], "limit": bytes}; see the module docstring."""
-    from jaxsora.config import ConfigError
+    from jaxsora.config import ConfigError, load_bucket_config_file
     from jaxsora.data.aspect import resolution_tables
     from jaxsora.data.buckets import normalize_bucket_config
     from jaxsora.train import memory
@@ -35,6 +35,7 @@ def search(config, *, fraction: float = 0.9, max_batch: int | None = None, use_t
         raise ConfigError("the device reports no memory limit (CPU): set --config.train.device_memory_gib, "
                           "e.g. 80 for an H100")
     limit = int(device * fraction)
+    load_bucket_config_file(config)  # data.bucket_config_file replaces data.bucket_config, as in the trainer
     setup = setup_run(config, abstract_encoders=True)
     buckets = normalize_bucket_config(plain(config.data.bucket_config))
     tables = resolution_tables(plain(config.data.resolutions) if config.data.get("resolutions") else None)

@@ -1,7 +1,9 @@
 """`python -m jaxsora.train ... --dry-run`: validate the config, the table and the bucket plan, and
 compile the real train step for every bucket of the plan — printing what each needs per device —
 without reading encoder weights, allocating the train state or training. With `eval.table` set, the
-eval plan too, and the eval function's memory per bucket shape."""
+eval plan too, and the eval function's memory per bucket shape. A bucket that does not fit ends it
+as it ends the real start: the same one-line refusal (with the largest per-device batch that fits)
+and exit code 2."""
 from __future__ import annotations
 
 import jax
@@ -34,6 +36,9 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
         lines.append(f"{str(bucket):<32} {rows:>7} {nb:>14} {gb:>13}")
         total += nb
     lines.append(f"steps per epoch: {total}")
+    note = loader.left_out_note(0) if hasattr(loader, "left_out_note") else None
+    if note:
+        lines.append(f"note: {note}")
     if total == 0:
         lines.append("WARNING: no full batch this epoch: no row fits the bucket config at this data-parallel size "
                      "(too small, too short, or too few rows)")
@@ -64,5 +69,9 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
                 fits = "?" if not limit else ("yes" if info.peak_bytes <= limit else "NO")
                 print(f"  eval {name:<16} {t}×{h}×{w} global batch {gb:>4}: {info.peak_bytes / gib:8.2f} GiB per "
                       f"device, compiled in {info.seconds:.1f}s, fits {fits}")
+    if config.train.get("check_memory", True):
+        msg = memory.refusal(setup, rows)
+        if msg:  # the real start's refusal, with its suggestion: a script or CI gate sees exit code 2
+            raise memory.MemoryPlanError(msg)
     return dict(plan=plan_rows, steps_per_epoch=total, params=n_params, state_bytes=state_bytes, buckets=rows,
                 outputs=outdir, eval=eval_rows)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import jax
 
+from jaxsora.errors import UserError
+from jaxsora.parallel import peers
 from jaxsora.train import memory, run_folder
 from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.contracts import Loader
@@ -126,13 +128,18 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
             loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
             return dry_run(setup, loader, outdir, evaluator=_evaluator(setup, indexes, eval_data_factory))
 
-    if loader_factory is None:  # the table's columns and rows, before the run takes its folder
+    if loader_factory is None and not config.data.get("features"):  # the table's columns and rows, before the
+        # run takes its folder (a features run reads no table: the cache holds its rows)
         from jaxsora.data.tables import check_table
 
         check_table(config.data.table)
     new = outdir is None
+    # taken back if the run is refused before step 0 (memory, checkpoint, features, eval): nothing left behind
+    claim = run_folder.Claim.begin(config, outdir)
     if new:
         outdir = run_folder.new_run_folder(config)
+    claim.taken(outdir)
+    started = False
     if not config.data.get("index_dir"):  # the table index lives with the run and is reused on resume
         config.data.index_dir = os.path.join(outdir, "table_index")
     if _is_main():
@@ -141,6 +148,7 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
         print(f"[jaxsora] run folder: {outdir} ({', '.join(how)})", flush=True)
     # One owner per run folder (process 0 holds the lock for all processes of the run).
     lock = RunLock(outdir).acquire() if _is_main() else None
+    refused = False
     try:
         if not new:  # after the lock: a folder that a live run owns is refused naming that run
             run_folder.refuse_another_run(outdir, opts)
@@ -152,6 +160,8 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
         # `python -m jaxsora.cluster dump` (or kill -USR2) → every thread's stack in <run>/stacks/;
         # the heartbeat gives `cluster status` this process's pid while it compiles.
         register_stack_dump(outdir, jax.process_index())
+        if jax.process_count() > 1:
+            peers.on_lost(_lost_peer_handler(outdir))
         write_heartbeat(outdir, jax.process_index(), None, phase="starting")
         setup = setup_run(config)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
@@ -165,17 +175,56 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
                                       check=bool(config.train.get("check_memory", True)), progress=_is_main())
                 write_heartbeat(outdir, jax.process_index(), None, phase="restoring" if opts.load else "initializing")
                 state, wandb_id = _initial_state(setup, loader, opts)
+                started = True
                 result = _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator)
         except BaseException as e:  # the last heartbeat says how the run ended (`jaxsora.runs`, `cluster status`)
-            write_heartbeat(outdir, jax.process_index(), None,
-                            phase="non-finite" if isinstance(e, NonFiniteError) else "failed")
+            peers.await_verdict(e)  # a collective failed because a peer is gone: the peer watch ends the process
+            if not (isinstance(e, UserError) and not started):  # a refusal leaves no heartbeat (undone below)
+                write_heartbeat(outdir, jax.process_index(), None,
+                                phase="non-finite" if isinstance(e, NonFiniteError) else "failed")
             raise
         write_heartbeat(outdir, jax.process_index(), result["steps"],
                         phase="stopped" if result["stopped_by_signal"] else "done")
         return result
+    except UserError:
+        if not started:
+            refused = True
+        raise
     finally:
         if lock is not None:
             lock.release()
+        if refused:
+            claim.undo()
+
+
+# The newest step dispatched by `_run` (what a lost-peer exit reports).
+_progress = {"step": None}
+
+
+def _lost_peer_handler(outdir: str):
+    """What a surviving process says and writes when another process of the run is lost
+    (`jaxsora.parallel.peers`): one line naming it, the step, and the checkpoint to resume from; the
+    heartbeat's phase "lost-peer"; exit code EXIT_PEER_LOST."""
+    import sys
+
+    from jaxsora.errors import EXIT_PEER_LOST
+    from jaxsora.train.checkpoint import INTEGRITY_FILE, checkpoint_steps
+
+    def handler(lost: list, why: str) -> None:
+        step = _progress["step"]
+        root = os.path.join(outdir, "checkpoints")
+        intact = [s for s in checkpoint_steps(root) if os.path.isfile(os.path.join(root, str(s), INTEGRITY_FILE))]
+        newest = max(intact) if intact else None
+        write_heartbeat(outdir, jax.process_index(), step, phase="lost-peer", lost=list(lost),
+                        newest_checkpoint=newest)
+        resume = (f"resume every process with --load {outdir} (newest intact checkpoint: step {newest})"
+                  if newest is not None else "no checkpoint was written yet: start the run again")
+        who = ", ".join(str(i) for i in lost)
+        print(f"[jaxsora] lost process {who} of {jax.process_count()} ({why}) at step {step}: process "
+              f"{jax.process_index()} stops (exit code {EXIT_PEER_LOST}); {resume}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+    return handler
 
 
 def _evaluator(setup, outdir, factory=None):
@@ -236,6 +285,8 @@ def _skip_counts(loader) -> dict:
 
 def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator=None) -> dict:
     from jaxsora.models.lora import LoRASpec
+
+    _progress["step"] = None
     from jaxsora.train.logging import MetricLogger
     from jaxsora.train.mfu import peak_flops, train_flops_per_sample
 
@@ -370,6 +421,7 @@ def _run(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluat
                 watchdog.phase(None)
                 step += 1
                 dispatched += 1
+                _progress["step"] = step
                 pending.append((metrics, facts))
                 # train.epochs: the last batch of the last epoch was dispatched
                 data_done = bool(epochs) and int(host.get("epoch", 0)) >= epochs - 1 and \

@@ -6,6 +6,7 @@ process 0 and broadcast to the other processes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -108,3 +109,82 @@ def new_run_folder(config) -> str:
     if number < 0:
         raise UserError(f"process 0 could not create a new run folder in {outputs} (see its log)")
     return os.path.join(outputs, run_folder_name(number, experiment))
+
+
+class Claim:
+    """What this invocation adds to the outputs before training starts, so that a refusal (a user error
+    before step 0: the memory plan, a checkpoint, the features, the eval set) takes it back and the run
+    leaves nothing behind — no folder, no experiment number, no index, heartbeat or log line.
+
+    `Claim.begin(config, outdir)` before anything is made (outdir None: a new numbered folder), then
+    `taken(outdir)` once the folder is known. A folder this invocation made (a new numbered one, or a
+    --run-dir that did not exist) is removed whole by process 0, with its number's claim; in a folder
+    that was there (--run-dir of an empty folder, --load) the entries that were not there are removed
+    and the files each process appends to or rewrites (invocations.jsonl, its heartbeat, its stacks
+    file) get their old bytes back."""
+
+    def __init__(self, process_index: int, new: bool, created: bool, made: list):
+        self.process, self.new, self.created, self.made = process_index, new, created, made
+        self.outdir, self.entries, self.files = None, set(), {}
+
+    @classmethod
+    def begin(cls, config, outdir: str | None) -> Claim:
+        from jaxsora.runs import CLAIMS_DIR
+
+        outputs = os.path.abspath(config.train.outputs)
+        made = [] if outdir is not None else [
+            p for p in (os.path.join(outputs, CLAIMS_DIR), outputs) if not os.path.exists(p)]
+        return cls(jax.process_index(), outdir is None, outdir is None or not os.path.exists(outdir), made)
+
+    def taken(self, outdir: str) -> Claim:
+        from jaxsora.runs import INVOCATIONS
+        from jaxsora.train.supervise import HEARTBEAT_DIR, STACKS_DIR
+
+        self.outdir = outdir
+        self.entries = set(os.listdir(outdir)) if os.path.isdir(outdir) else set()
+        p = self.process
+        mine = [os.path.join(HEARTBEAT_DIR, f"{p}.json"), os.path.join(STACKS_DIR, f"{p}.txt")]
+        self.files = {rel: self._read(rel) for rel in ([INVOCATIONS] if p == 0 else []) + mine}
+        return self
+
+    def _read(self, rel: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.outdir, rel), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def undo(self) -> None:
+        import shutil
+
+        from jaxsora.runs import CLAIMS_DIR, run_number
+
+        if self.outdir is None:
+            return
+        for rel, old in self.files.items():
+            path = os.path.join(self.outdir, rel)
+            with contextlib.suppress(OSError):
+                if old is None:
+                    os.remove(path)
+                else:
+                    with open(path, "wb") as f:
+                        f.write(old)
+        if self.process != 0:
+            return
+        if self.created:
+            shutil.rmtree(self.outdir, ignore_errors=True)
+            if self.new:  # the number goes back: the next new run takes it
+                claims = os.path.join(os.path.dirname(self.outdir), CLAIMS_DIR)
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(claims, f"{run_number(self.outdir):03d}"))
+            for folder in self.made:  # .run_numbers/ and the outputs folder, when this run made them
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+            return
+        for name in set(os.listdir(self.outdir)) - self.entries if os.path.isdir(self.outdir) else ():
+            path = os.path.join(self.outdir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)

@@ -150,6 +150,80 @@ def test_config_checks(features, table, tmp_path):
         validate_config(_config(table, features=str(tmp_path / "missing")))
 
 
+def test_a_features_run_reads_no_table(features, tmp_path):
+    """The README's features run: `--config.data.features=feats/` with the config's own table unset or gone
+    (stage1's is "", the demo's names a file that may not exist where the run trains) trains."""
+    from jaxsora.train.loop import RunOptions, train
+
+    out, _ = features
+    for table in ("", str(tmp_path / "gone" / "meta.csv")):
+        cfg = _config(table, features=out)
+        cfg.train.update(dict(outputs=str(tmp_path), max_steps=1, ckpt_every=1))
+        res = train(cfg, RunOptions(run_dir=str(tmp_path / f"run{len(table)}")))
+        assert res["steps"] == 1, res
+
+
+def _precompute(table, out, seed):
+    """The README's precompute command (the demo config), in a process of its own hash seed."""
+    cmd = [sys.executable, "-m", "data_tools.precompute", "--latents", "--config",
+           os.path.join(REPO, "configs", "demo.py"), "--input", table, "--output", str(out), "--shard-size", "4",
+           "--batch-size", "4", "--no-progress"]
+    r = subprocess.run(cmd, env={**ENV, "PYTHONHASHSEED": str(seed)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _files(root):
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), root)] = f.read()
+    return out
+
+
+def test_damaged_shards_are_refused_early_and_made_again(table, tmp_path):
+    """Two runs of the same precompute write the same bytes (a cache can be checked by checksums). A
+    truncated, a missing and a record-count-mismatched shard are each refused when the cache is opened —
+    before a run takes a folder — naming the shard and the fix; the same precompute command re-makes it."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from jaxsora.train.loop import RunOptions, train
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _precompute(table, a, 1)
+    _precompute(table, b, 2)
+    want = _files(b)
+    assert _files(a) == want
+    shards = json.load(open(a / "manifest.json"))["shards"]
+    assert len(shards) >= 2
+
+    def truncate(p):
+        with open(p, "r+b") as f:
+            f.truncate(os.path.getsize(p) // 2)
+
+    def one_record(p):
+        os.remove(p)
+        w = ArrayRecordWriter(str(p), "group_size:1")
+        w.write(b"not a record")
+        w.close()
+
+    cases = ((truncate, "(is unreadable|holds 0 records)"), (os.remove, "is missing"), (one_record, "holds 1 records"))
+    for damage, said in cases:
+        damage(a / shards[1])
+        with pytest.raises(FeatureCacheError, match=rf"shard {shards[1]} {said}.*run the same `python -m "
+                                                     r"data_tools.precompute` command again"):
+            FeatureStore(str(a))
+        cfg = small_config(tmp_path / "outputs")
+        cfg.data.features = str(a)
+        with pytest.raises(FeatureCacheError):
+            train(cfg, RunOptions(run_dir=str(tmp_path / "run")))
+        assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "outputs")
+        r = _precompute(table, a, 3)
+        assert f"shard {shards[1]} " in r.stderr and "making it again" in r.stderr, r.stderr[-2000:]
+        assert _files(a) == want
+
+
 def test_corrupt_or_unfinished_cache_is_one_line(features, tmp_path):
     import shutil
 
@@ -158,9 +232,8 @@ def test_corrupt_or_unfinished_cache_is_one_line(features, tmp_path):
     shard = os.path.join(bad, json.load(open(os.path.join(bad, "manifest.json")))["shards"][0])
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    store = FeatureStore(bad)
-    with pytest.raises(FeatureCacheError, match="rerun data_tools.precompute"):
-        store.read(store.record_rows[:1])
+    with pytest.raises(FeatureCacheError, match="run the same `python -m data_tools.precompute` command again"):
+        FeatureStore(bad)  # found when the cache is opened, not when a batch first reads the shard
     os.remove(os.path.join(bad, "manifest.json"))
     r = subprocess.run([sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
                         f"--config.data.features={bad}", "--run-dir", str(tmp_path / "run")], env=ENV,

@@ -144,6 +144,7 @@ def test_write_samples_and_sidecars(pipe, tmp_path):
     assert rec["prompt"] == B and rec["prompt_fed"] == B + " aesthetic score: 6.5." and rec["seed"] == 42
     assert rec["checkpoint"] == pipe.step_dir and rec["step"] == 2 and rec["frames"] == 8
     assert rec["settings"]["num_sampling_steps"] == 3 and rec["settings"]["image_size"] == [32, 32]
+    assert "resolution" not in rec["settings"] and "aspect_ratio" not in rec["settings"]  # unused with image_size
     assert rec["noise"]["occurrence"] == 0
     import av
 

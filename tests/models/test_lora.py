@@ -321,3 +321,24 @@ def test_a_lora_checkpoint_is_refused_where_its_adapters_would_be_dropped(tmp_pa
                                              r"has no LoRA: merge its adapters .*tools.lora merge") as e:
         weights_only_state(plain, str(tmp_path / "lora_ckpt"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["attention,mlp", "('attention','mlp')", "attention, mlp"])
+def test_targets_from_the_command_line(value):
+    """The README's spellings of several targets on the command line: a comma-separated value, or the
+    Python tuple; both reach the model as the same two presets."""
+    import os
+
+    from absl import flags
+    from ml_collections import config_flags
+
+    from jaxsora.cli import register_configs_package
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lora_example.py")
+    register_configs_package(path)
+    fv = flags.FlagValues()
+    argv = ["prog", f"--config={path}", f"--config.lora.targets={value}"]
+    config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    assert lora.normalize_targets(fv.config.lora.targets) == ("attention", "mlp")
+    assert lora.LoRASpec.from_config(fv.config.lora).targets == ("attention", "mlp")

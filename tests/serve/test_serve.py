@@ -67,8 +67,10 @@ def test_server_samples_each_checkpoint_into_the_training_wandb_run(run):
     # the training logged into the same run id
     assert any("loss" in r for r in history(folder, meta["wandb_id"]))
 
+    assert lines[-1] == "[serve] 656-tiny pass 1: 2 complete checkpoint(s), sampled 2 (0, 3), done before 0", lines
     again = []
-    assert serve(_opts(out, presets), log=again.append)[folder] == done and again == []  # a restart redoes nothing
+    assert serve(_opts(out, presets), log=again.append)[folder] == done  # a restart redoes nothing, and says so
+    assert again == ["[serve] 656-tiny pass 1: 2 complete checkpoint(s), sampled 0, done before 2"], again
 
 
 def test_unfinished_and_vanished_checkpoints(run, tmp_path):
@@ -92,9 +94,30 @@ def test_unfinished_and_vanished_checkpoints(run, tmp_path):
     lines = []
     first = serve(opts, sampler=sampler, log=lines.append)[str(mirror)]
     assert calls == [0] and first["tiny"]["0"]["status"] == "vanished" and "vanished" in lines[0]
+    assert lines[-1] == ("[serve] 657-copy pass 1: 1 complete checkpoint(s), sampled 0, done before 0, waiting for "
+                         "completion: 3, skipped: 0 (vanished)"), lines
     marker.write_bytes(held)  # the copy finished
     second = serve(opts, sampler=sampler, log=lines.append)[str(mirror)]
     assert calls == [0, 3] and second["tiny"]["3"]["status"] == "done"
+
+
+def test_a_step_folder_holding_another_step_is_refused(run, tmp_path):
+    """`cp -r checkpoints/3 checkpoints/9`: the folder's integrity record says step 3; the server does not
+    sample it as step 9 (nor record it, so a corrected folder is served later) and says why."""
+    out, _, presets = run
+    mirror = tmp_path / "mirror" / "659-copied"
+    shutil.copytree(resolve_run("656", str(out)), mirror, ignore=shutil.ignore_patterns("samples", "wandb"))
+    shutil.copytree(mirror / "checkpoints" / "3", mirror / "checkpoints" / "9")
+    calls, lines = [], []
+
+    def sampler(path, prompts, save_dir, meta):
+        calls.append(int(os.path.basename(path)))
+        return []
+
+    opts = ServeOptions(preset="tiny", runs=[str(mirror)], presets_file=presets, once=True, wandb=False)
+    done = serve(opts, sampler=sampler, log=lines.append)[str(mirror)]
+    assert calls == [0, 3] and "9" not in done["tiny"]
+    assert lines[-1].endswith("skipped: 9 (its integrity.json is of step 3: a copied or renamed folder)"), lines
 
 
 def test_cli_errors_are_one_line(run, tmp_path):

@@ -189,13 +189,73 @@ def test_export_adapters_in_peft_layout(run, tmp_path):
     assert len(json.loads(meta["lora_modules"])) == 7
 
 
+def _torch_skeleton(sd: dict):
+    """A torch module tree holding a state dict under its own names: an nn.Linear wherever a 2-D
+    `<m>.weight` is (with `<m>.bias` when there is one), plain parameters elsewhere — what peft needs
+    to find and wrap Open-Sora STDiT3's Linear layers by name (the forward is not needed here)."""
+    import torch
+
+    root = torch.nn.Module()
+
+    def module(path):
+        m = root
+        for part in [p for p in path.split(".") if p]:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        return m
+
+    linears = {k[: -len(".weight")] for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2}
+    for key, value in sd.items():
+        path, _, name = key.rpartition(".")
+        if path in linears:
+            parent, _, leaf = path.rpartition(".")
+            if not hasattr(module(parent), leaf):
+                out_f, in_f = sd[path + ".weight"].shape
+                module(parent).add_module(leaf, torch.nn.Linear(in_f, out_f, bias=path + ".bias" in sd))
+        else:
+            module(path).register_parameter(name, torch.nn.Parameter(torch.zeros(value.shape)))
+    root.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in sd.items()}, strict=True)
+    return root
+
+
+def test_export_adapters_as_a_peft_folder(run, tmp_path):
+    """`--output DIR` writes peft's own adapter folder: `PeftModel.from_pretrained` on the Open-Sora
+    STDiT3 module tree loads every adapter (none left at its init) and merges to our merged weights."""
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    _, rundir, _ = run
+    out = tmp_path / "adapters"
+    assert tool.main(["export-adapters", "--ckpt", rundir, "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    _, _, spec, cfg, flat = tool.read_lora_checkpoint(rundir)
+    base = tconv.to_torch_state_dict({k: v for k, v in flat.items() if not lora.is_adapter_path(k)}, config=cfg)
+    merged = tconv.to_torch_state_dict(lora.merge_flat(flat, spec.scale), config=cfg)
+    model = peft.PeftModel.from_pretrained(_torch_skeleton(base), str(out))
+    adapters = {n: p.detach().numpy() for n, p in model.named_parameters() if ".lora_" in n}
+    assert len(adapters) == 2 * 7, sorted(adapters)
+    b = flat[("spatial_blocks", "0", "attn", "qkv", "lora_b")]
+    got = next(v for n, v in adapters.items() if "spatial_blocks.0.attn.qkv.lora_B" in n)
+    np.testing.assert_array_equal(got, b.T)  # loaded, not peft's zero init of B
+    with torch.no_grad():
+        x = torch.randn(3, cfg.hidden_size)
+        layer = model.base_model.model.spatial_blocks.get_submodule("0.attn.qkv")
+        want = x @ torch.from_numpy(merged["spatial_blocks.0.attn.qkv.weight"]).T + torch.from_numpy(
+            merged["spatial_blocks.0.attn.qkv.bias"])
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # the adapted layer = the merged one
+        sd = model.merge_and_unload().state_dict()
+    assert set(sd) == set(merged)
+    for k, v in merged.items():
+        np.testing.assert_allclose(sd[k].numpy(), v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_mistakes_are_one_line(run, tmp_path):
     out, rundir, base = run
     cases = [
         (["merge", "--ckpt", base, "--out", str(tmp_path / "x")], "is not a LoRA checkpoint"),
         (["merge", "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "checkpoint folder not found"),
         (["merge", "--ckpt", rundir, "--out", rundir], "exists and is not an empty folder"),
-        (["export-adapters", "--ckpt", rundir, "--out", str(tmp_path / "dir")], "expected a file ending in"),
+        (["export-adapters", "--ckpt", rundir, "--out", rundir], "exists and is not an empty folder"),
         (["merge", "--ckpt", rundir, "--step", "3", "--out", str(tmp_path / "y")], "has no checkpoint of step 3"),
         (["merge", "--ckpt", rundir], "the following arguments are required: --out"),
     ]

@@ -53,7 +53,53 @@ def test_run_refuses_a_bucket_that_does_not_fit(peaks, tmp_path):
     with pytest.raises(memory.MemoryPlanError, match=r"fake 4×16×16: per-device batch 4 .* largest per-device "
                                                      r"batch that fits: 2"):
         train(cfg, RunOptions(run_dir=str(tmp_path / "run")), loader_factory=_factory(4))
-    assert not os.path.exists(tmp_path / "run" / "checkpoints")  # refused before anything was written
+    assert not os.path.exists(tmp_path / "run")  # refused: the folder it made is taken back
+
+
+def _tree(root):
+    """Every path under root with its bytes (the shared compilation cache aside: a cache, not a run's)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != "jax_cache"]
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), root)] = fh.read()
+        out[os.path.relpath(d, root) + "/"] = b""
+    return out
+
+
+def test_a_refused_run_leaves_nothing_behind(peaks, tmp_path):
+    """Numbered runs, --run-dir of an existing empty folder and a --load resume, each refused by the
+    memory check: the outputs folder is byte for byte what it was, and the next new run takes the
+    number the refused one would have had."""
+    outputs = tmp_path / "outputs"
+    ok = small_config(outputs, mesh=(1, 1, 1), max_steps=2, ckpt_every=2, experiment="ok")
+    first = train(ok, RunOptions(), loader_factory=_factory(2))["outputs"]
+    number = int(os.path.basename(first).split("-")[0])
+    (outputs / "empty").mkdir()
+    before = _tree(outputs)
+    tight = (peaks[2] + peaks[3]) / 2 / memory.GIB
+    for opts in (RunOptions(), RunOptions(run_dir=str(outputs / "empty")), RunOptions(load=first)):
+        cfg = small_config(outputs, mesh=(1, 1, 1), max_steps=4, experiment="big" if not opts.load else "ok")
+        cfg.train.device_memory_gib = tight
+        with pytest.raises(memory.MemoryPlanError):
+            train(cfg, opts, loader_factory=_factory(4))
+        after = _tree(outputs)
+        assert after.keys() == before.keys(), (opts, sorted(set(after) ^ set(before)))
+        assert after == before, (opts, [k for k in after if after[k] != before[k]])
+    again = train(small_config(outputs, mesh=(1, 1, 1), max_steps=1, experiment="next"), RunOptions(),
+                  loader_factory=_factory(2))["outputs"]
+    assert os.path.basename(again) == f"{number + 1:03d}-next"
+
+
+def test_dry_run_refuses_a_bucket_that_does_not_fit(peaks, tmp_path, capsys):
+    """The dry run prints its plan and table, then ends with the real start's refusal and suggestion
+    (MemoryPlanError: exit code 2 from the CLI), so a script or CI gate can use it."""
+    cfg = small_config(tmp_path, mesh=(1, 1, 1))
+    cfg.train.device_memory_gib = (peaks[2] + peaks[3]) / 2 / memory.GIB
+    with pytest.raises(memory.MemoryPlanError, match=r"largest per-device batch that fits: 2"):
+        train(cfg, RunOptions(dry_run=True, run_dir=str(tmp_path / "run")), loader_factory=_factory(4))
+    assert "per-device memory of the compiled train step" in capsys.readouterr().out  # the table came first
 
 
 def test_largest_batch_is_the_boundary(peaks, tmp_path):
@@ -78,6 +124,21 @@ def test_search_bs_writes_a_usable_bucket_config(peaks, tmp_path):
 
     validate_config(cfg)
     assert dict(cfg.data.bucket_config["s16"]) == {"4": [0.5, 3]}
+
+
+def test_search_bs_reads_the_bucket_config_file(peaks, tmp_path):
+    """--config.data.bucket_config_file replaces the inline bucket config for the search, as it does for
+    the trainer: a resolution only the file names is searched, the inline one is not."""
+    cfg = small_config(tmp_path, mesh=(1, 1, 1))
+    cfg.data.resolutions = {"s16": [("1.00", (16, 16))], "s8": [("1.00", (8, 8))]}
+    cfg.data.bucket_config = {"s8": {4: (1.0, 2)}}
+    path = tmp_path / "file.json"
+    path.write_text(json.dumps({"s16": {"4": [0.5, 64]}}))
+    cfg.data.bucket_config_file = str(path)
+    cfg.train.device_memory_gib = (peaks[3] + peaks[4]) / 2 / memory.GIB
+    result = search(cfg, fraction=1.0, use_table=False, progress=False)
+    assert result["bucket_config"] == {"s16": {"4": [0.5, 3]}}
+    assert [(r["resolution"], r["height"], r["width"]) for r in result["rows"]] == [("s16", 16, 16)]
 
 
 def test_search_bs_cli(tmp_path):
