@@ -3,7 +3,7 @@
 DIR (or `--ckpt DIR`) is a run's outputs folder, its `checkpoints/` folder or one step folder
 `checkpoints/N`.
 Every array of each checkpoint is read on the host (numpy, no accelerator) and its fingerprint is
-compared with the step's `integrity.json` (see `jaxsora.train.checkpoint`).
+compared with the step's `integrity.json` (see `jaxsora.checkpoint`).
 
     list    a table: step, size on disk, contents (full = weights and optimizer state; weights
             only = no opt_state/ item, e.g. a copy made with `rsync --exclude opt_state`, or a
@@ -36,7 +36,7 @@ EXIT_OK, EXIT_CORRUPT = 0, 1  # usage errors: 2 (jaxsora.errors.EXIT_USER_ERROR)
 
 
 def _reports(path: str, step):
-    from jaxsora.train import checkpoint as ck
+    from jaxsora import checkpoint as ck
 
     root, named = ck.resolve_checkpoint(path, step)  # raises for a folder without checkpoints
     steps = [named] if named is not None else ck.checkpoint_steps(root)
@@ -45,7 +45,7 @@ def _reports(path: str, step):
 
 
 def cmd_list(args) -> int:
-    from jaxsora.train.orbax_errors import fmt_bytes
+    from jaxsora.checkpoint.orbax_errors import fmt_bytes
 
     root, reports, unfinished = _reports(args.dir, args.step)
     print(f"checkpoints in {root}")

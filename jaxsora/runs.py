@@ -34,7 +34,7 @@ from jaxsora.errors import BadInput, MissingFile, run_cli
 PROG = "jaxsora.runs"
 
 
-INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
+INTEGRITY_FILE = "integrity.json"  # jaxsora.checkpoint's completion marker
 INVOCATIONS = "invocations.jsonl"  # <run>/invocations.jsonl: one line per start or resume of the run
 CLAIMS_DIR = ".run_numbers"  # <outputs>/.run_numbers/<NNN>: the numbers handed out
 _NUMBERED = re.compile(r"^(\d+)-")

@@ -52,7 +52,7 @@ PRESETS = {
     "demo": dict(image_size=(32, 32), num_frames=8, fps=8, batch_size=4),
 }
 STATE_FILE = "serve_state.json"
-INTEGRITY_FILE = "integrity.json"  # train.checkpoint's completion marker
+INTEGRITY_FILE = "integrity.json"  # jaxsora.checkpoint's completion marker
 
 
 # --------------------------------------------------------------------------------------------

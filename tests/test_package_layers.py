@@ -1,12 +1,20 @@
-"""The package's import structure (issue #15): no import cycle between jaxsora's modules, function-
-level imports included, and no import from a lower layer (data, diffusion, parallel, models, io)
-up to a higher one (train, sample, serve, infer, config, tools) — read from the source's syntax
-tree, so a lazy `import` inside a function counts as much as one at the top."""
+"""The package's import structure (issues #15, #25): no import cycle between jaxsora's modules, function-
+level imports included; no import from a lower layer (checkpoint, data, diffusion, parallel, models, io)
+up to a higher one (train, sample, serve, infer, config, tools); the checkpoint package stands on the
+floor (errors, io, parallel); and nothing that samples, converts or manages checkpoints reaches into
+train/, not even through another module — read from the source's syntax tree, so a lazy `import`
+inside a function counts as much as one at the top."""
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).parent.parent
-LOWER = ("jaxsora.data", "jaxsora.diffusion", "jaxsora.parallel", "jaxsora.models", "jaxsora.io")
+LOWER = ("jaxsora.checkpoint", "jaxsora.data", "jaxsora.diffusion", "jaxsora.parallel", "jaxsora.models", "jaxsora.io")
+# What a checkpoint may stand on: every command reads checkpoints, so they import nothing of a command.
+CHECKPOINT_FLOOR = ("jaxsora", "jaxsora.checkpoint", "jaxsora.errors", "jaxsora.io", "jaxsora.parallel")
+# Sampling, conversion and the checkpoint tools: an inference machine runs them without the trainer.
+# (tools.search_bs compiles the train step: it is the trainer's.)
+NOT_TRAIN = ("jaxsora.convert", "jaxsora.infer", "jaxsora.serve", "jaxsora.sample", "jaxsora.ckpt", "jaxsora.runs",
+             "jaxsora.tools")
 HIGHER = ("jaxsora.train", "jaxsora.sample", "jaxsora.serve", "jaxsora.infer", "jaxsora.config", "jaxsora.tools")
 
 
@@ -38,7 +46,7 @@ def _is(mod: str, prefixes) -> bool:
 
 def test_no_import_cycle():
     graph = _imports()
-    # A package's __init__ re-exporting its own submodules (train.checkpoint) is its face, not a
+    # A package's __init__ re-exporting its own submodules (jaxsora.checkpoint) is its face, not a
     # dependency of concerns: leave those edges out.
     for m, deps in graph.items():
         graph[m] = {n for n in deps if not n.startswith(m + ".")}
@@ -64,3 +72,35 @@ def test_no_import_cycle():
 def test_lower_layers_do_not_import_higher_ones():
     upward = [(m, n) for m, deps in _imports().items() if _is(m, LOWER) for n in deps if _is(n, HIGHER)]
     assert not upward, upward
+
+
+def _reach(graph: dict, start: str) -> dict[str, str]:
+    """Every module `start` imports, directly or not: {module: the module that imports it}."""
+    seen, todo = {}, [start]
+    while todo:
+        m = todo.pop()
+        for n in graph.get(m, ()):
+            if n not in seen and n != start:
+                seen[n] = m
+                todo.append(n)
+    return seen
+
+
+def test_checkpoint_stands_on_the_floor():
+    graph = _imports()
+    bad = [(m, n) for m, deps in graph.items() if _is(m, ("jaxsora.checkpoint",))
+           for n in deps if not (n == "jaxsora" or _is(n, CHECKPOINT_FLOOR[1:]))]
+    assert not bad, bad
+
+
+def test_sampling_and_checkpoint_tools_import_nothing_of_train():
+    graph = _imports()
+    bad = []
+    for m in sorted(graph):
+        if not _is(m, NOT_TRAIN) or _is(m, ("jaxsora.tools.search_bs",)):
+            continue
+        for n, via in _reach(graph, m).items():
+            if _is(n, ("jaxsora.train",)):
+                bad.append(f"{m} → … {via} → {n}")
+                break
+    assert not bad, bad

@@ -5,7 +5,7 @@
         params/                StandardSave {"params": P}: the trainable params
         frozen/                StandardSave {"frozen": F}: frozen params and buffers
         ema/                   StandardSave {"ema": P}: the EMA (a converter writes the params again)
-        opt_state/             training checkpoints only, never read here (see train.checkpoint)
+        opt_state/             training checkpoints only, never read here (see jaxsora.checkpoint)
         config/                JsonSave: {"model": STDiT3Config fields, ...}
 
 P and F are the model's nnx state as nested dicts (training: nnx.State, each Variable stored as
@@ -60,7 +60,7 @@ def save_weights(path: str, model: STDiT3, *, ema: dict | None = None, step: int
 def resolve_step_dir(path: str, step: int | None = None) -> str:
     """A step folder (holding weights: `params/`, `ema/`, or the older `state/`) from a manager
     root or a step folder."""
-    from jaxsora.train.checkpoint import has_weights
+    from jaxsora.checkpoint import has_weights
 
     path = os.path.abspath(path)
     if not os.path.isdir(path):
@@ -106,7 +106,7 @@ def load_weights(path: str, *, ema: bool = False, step: int | None = None,
     (or the EMA) and the frozen variables; the optimizer state is never read. A LoRA run's
     checkpoint (config `lora.rank` > 0: adapters in params/ema, the base in frozen) comes back
     merged, W + scale·A·B, as the plain model's weights (merge_lora=False: base and adapters)."""
-    from jaxsora.train import checkpoint as ck
+    from jaxsora import checkpoint as ck
 
     step_dir = resolve_step_dir(path, step)
     config = read_config(step_dir)

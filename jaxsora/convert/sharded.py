@@ -69,8 +69,8 @@ def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: in
     `opt_state/` works. verify: the arrays read are checked against the step's integrity.json."""
     import orbax.checkpoint as ocp
 
+    from jaxsora import checkpoint as ck
     from jaxsora.convert.native import resolve_step_dir
-    from jaxsora.train import checkpoint as ck
 
     step_dir = resolve_step_dir(path, step)
     try:

@@ -34,7 +34,7 @@ def find_step_dir(ckpt: str, step: int | None = None) -> str:
     """A step folder (with weights: `params/`/`ema/`, or the older `state/`) from a run folder, its
     `checkpoints/`, one step folder, or a converter output. Without `step`: the newest step whose
     save finished (a new-format step without integrity.json is skipped with a note on stderr)."""
-    from jaxsora.train.checkpoint import INTEGRITY_FILE, checkpoint_steps, has_weights, resolve_checkpoint
+    from jaxsora.checkpoint import INTEGRITY_FILE, checkpoint_steps, has_weights, resolve_checkpoint
 
     root, chosen = resolve_checkpoint(ckpt, step)
     steps = [chosen] if chosen is not None else list(reversed(checkpoint_steps(root)))
@@ -172,7 +172,7 @@ def build_vae(cfg: Mapping):
     """IdentityVAE or OpenSoraVAE from a config group; `config` (a preset name) picks the
     OpenSora VAE architecture (default the real one)."""
     from jaxsora.models import vae as vae_lib
-    from jaxsora.train.build import build_vae_from_config
+    from jaxsora.models.from_config import build_vae_from_config
 
     cfg = dict(cfg)
     try:
@@ -186,7 +186,7 @@ def build_vae(cfg: Mapping):
 
 
 def _build_text_encoder(cfg: Mapping, mesh, rules):
-    from jaxsora.train.build import build_text_encoder_from_config
+    from jaxsora.models.from_config import build_text_encoder_from_config
 
     try:
         return build_text_encoder_from_config(cfg, mesh=mesh, rules=rules)
@@ -219,11 +219,11 @@ def restore_model(step_dir: str, mcfg, run_cfg: Mapping | None, mesh, rules, *, 
     """(STDiT3 with the checkpoint's weights in their shards, "ema" or "params"). Without EMA
     weights in the checkpoint, `ema` falls back to the params (said on stderr). A LoRA run's
     checkpoint gives the model with its adapters (the base frozen, the adapters params / ema)."""
+    from jaxsora.checkpoint.orbax_errors import quiet_orbax
     from jaxsora.convert import sharded
     from jaxsora.models import lora
     from jaxsora.models.stdit3 import STDiT3
     from jaxsora.parallel.sharding import tree_shardings
-    from jaxsora.train.orbax_errors import quiet_orbax
 
     # The model's structure and each variable's sharding, from a trace of its initialization
     # (as train.state.plan_state; nothing is allocated).

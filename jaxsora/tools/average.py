@@ -126,7 +126,7 @@ def normalize_weights(weights: Sequence[float] | None, n: int) -> list[float]:
 
 def resolve_inputs(paths: Sequence[str], steps: Sequence[int]) -> list[str]:
     """Step folders from the CKPT arguments (see the module docstring)."""
-    from jaxsora.train import checkpoint as ck
+    from jaxsora import checkpoint as ck
 
     out: list[str] = []
     for path in paths:
@@ -167,7 +167,7 @@ def _inside(path: str, folder: str) -> bool:
 def check_output(out: str, inputs: Sequence[str], overwrite: bool) -> None:
     """Refuse an output folder that exists (unless --overwrite and it holds only earlier averages) or
     that holds, or is inside, an input — before anything is read."""
-    from jaxsora.train import checkpoint as ck
+    from jaxsora import checkpoint as ck
 
     for d in inputs:
         if _inside(d, out) or _inside(out, d):
@@ -213,7 +213,7 @@ def _entries(subtree) -> list[Entry]:
     import jax
     import numpy as np
 
-    from jaxsora.train.fingerprint import array_name
+    from jaxsora.checkpoint.fingerprint import array_name
 
     flat = jax.tree_util.tree_flatten_with_path(subtree)[0]
     return [Entry(array_name(p), tuple(int(d) for d in m.shape), str(np.dtype(m.dtype))) for p, m in flat]
@@ -227,7 +227,7 @@ class _Reader:
     def __init__(self, step_dir: str, item_dir: str, metadata_tree):
         import jax
 
-        from jaxsora.train.fingerprint import array_name
+        from jaxsora.checkpoint.fingerprint import array_name
 
         self.step_dir, self.item_dir = step_dir, item_dir
         self.flat, self.treedef = jax.tree_util.tree_flatten_with_path(metadata_tree)
@@ -239,9 +239,9 @@ class _Reader:
         import numpy as np
         import orbax.checkpoint as ocp
 
-        from jaxsora.train import checkpoint as ck
-        from jaxsora.train.fingerprint import array_name
-        from jaxsora.train.orbax_errors import one_line_error
+        from jaxsora import checkpoint as ck
+        from jaxsora.checkpoint.fingerprint import array_name
+        from jaxsora.checkpoint.orbax_errors import one_line_error
 
         names = set(names)
         wanted = [n in names for n in self.names]
@@ -280,8 +280,8 @@ class Source:
 
 def open_source(step_dir: str, weight: float) -> Source:
     """An input's weight fields (metadata only) and integrity record; one line when it is unusable."""
-    from jaxsora.train import checkpoint as ck
-    from jaxsora.train.orbax_errors import one_line_error
+    from jaxsora import checkpoint as ck
+    from jaxsora.checkpoint.orbax_errors import one_line_error
 
     if ck.verify_arrays(step_dir, {}) is None:  # reads (only) the record: partial or broken → one line
         record = None
@@ -317,7 +317,7 @@ def open_source(step_dir: str, weight: float) -> Source:
 def check_same_tree(sources: Sequence[Source], field: str) -> list[Entry]:
     """The entries of `field`, equal (names, shapes, dtypes) in every input; else one line naming
     the first array that differs and the two checkpoints."""
-    from jaxsora.train import checkpoint as ck
+    from jaxsora import checkpoint as ck
 
     def show(e: Entry) -> str:
         return f"{e.dtype}[{', '.join(map(str, e.shape))}]"
@@ -394,7 +394,7 @@ class _ItemJob:
         return {self.out_field: jax.tree_util.tree_unflatten(treedef, lazy)}
 
     def take(self, i: int):
-        from jaxsora.train.fingerprint import format_fingerprint, host_fingerprint
+        from jaxsora.checkpoint.fingerprint import format_fingerprint, host_fingerprint
 
         if i not in self.ready:
             self._compute(self.group_of[i])
@@ -469,8 +469,8 @@ def average(inputs: Sequence[str], out: str, *, weights: Sequence[float] | None 
     """Write the average of the step folders `inputs` as `out/<step>/` (see the module docstring).
     weights: one per input, normalized here (None: uniform). progress: a tqdm bar (None: on a
     terminal). Returns {"step_dir", "step", "weights", "items": {item: arrays}, "bytes"}."""
-    from jaxsora.train import checkpoint as ck
-    from jaxsora.train.orbax_errors import fmt_bytes, install_noise_filters, io_failure, quiet_orbax
+    from jaxsora import checkpoint as ck
+    from jaxsora.checkpoint.orbax_errors import fmt_bytes, install_noise_filters, io_failure, quiet_orbax
 
     install_noise_filters()
     out = os.path.abspath(os.path.expanduser(out))
@@ -588,8 +588,8 @@ def average(inputs: Sequence[str], out: str, *, weights: Sequence[float] | None 
 
 def _job_error(exc: BaseException):
     """A CheckpointError raised while computing an array inside orbax's save (maybe wrapped)."""
-    from jaxsora.train import checkpoint as ck
-    from jaxsora.train.orbax_errors import chain
+    from jaxsora import checkpoint as ck
+    from jaxsora.checkpoint.orbax_errors import chain
 
     for e in chain(exc):
         if isinstance(e, ck.CheckpointError):

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------
 def step_dir_of(path: str, step: int | None = None) -> str:
     """The step folder of CKPT (run / checkpoints / step folder; newest step unless `step`)."""
-    from jaxsora.train import checkpoint as ck
+    from jaxsora import checkpoint as ck
 
     root, named = ck.resolve_checkpoint(path, step)
     s = named if named is not None else (step if step is not None else ck.checkpoint_steps(root)[-1])

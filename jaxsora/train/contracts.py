@@ -3,16 +3,17 @@
 The loop, the run setup and the dry run are written against these, not against one class: the
 video loader and the feature loader (`jaxsora.data`) and the tests' fake loader are all a
 `Loader`; the OpenSora VAE and the demo's pixel-space `IdentityVAE` are both a `VAE`; the T5 and
-the tiny random encoder are both a `TextEncoder`. They are `runtime_checkable`, so a test can
-hold each implementation against its contract (`tests/train/test_contracts.py`); the checks see
-names only, the docstrings say the shapes.
+the tiny random encoder are both a `TextEncoder` (those two are `jaxsora.models.contracts`). They
+are `runtime_checkable`, so a test can hold each implementation against its contract
+(`tests/train/test_contracts.py`); the checks see names only, the docstrings say the shapes.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
-import numpy as np
+# The encoders' contracts live with the models (sampling reads them without the trainer); named here too.
+from jaxsora.models.contracts import VAE, TextEncoder  # noqa: F401
 
 
 @runtime_checkable
@@ -42,34 +43,3 @@ class Loader(Protocol):
         """Continue from `state`; refuse (a UserError) a state of another data setup unless `reset`."""
 
     def __iter__(self) -> Iterator[dict]: ...
-
-
-@runtime_checkable
-class VAE(Protocol):
-    """The frozen video autoencoder: `encode(video [B, 3, T, H, W] in [-1, 1], key)` → latents
-    [B, C, t, h, w] (C = `out_channels`, (t, h, w) = `get_latent_size((T, H, W))`);
-    `decode(z, num_frames)` → video [B, 3, num_frames, H, W]."""
-
-    @property
-    def out_channels(self) -> int: ...
-
-    def get_latent_size(self, size: Sequence[int | None]) -> tuple: ...
-
-    def encode(self, video: Any, key: Any) -> Any: ...
-
-    def decode(self, z: Any, num_frames: int) -> Any: ...
-
-
-@runtime_checkable
-class TextEncoder(Protocol):
-    """The frozen caption encoder: `tokenizer(texts)` → (ids [b, L], mask [b, L]) on the host;
-    `encode(texts)` → (states [b, 1, L, D] float32, mask [b, L] int32), D = `caption_channels`,
-    L = `model_max_length`. `graphdef`/`state` are the NNX module the train step runs."""
-
-    model_max_length: int
-    caption_channels: int
-    graphdef: Any
-    state: Any
-    tokenizer: Any
-
-    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...

@@ -29,10 +29,10 @@ from collections.abc import Callable
 
 import jax
 
+from jaxsora.checkpoint import Checkpointer, restore
 from jaxsora.errors import UserError
 from jaxsora.parallel import peers
 from jaxsora.train import memory, run_folder
-from jaxsora.train.checkpoint import Checkpointer, restore
 from jaxsora.train.contracts import Loader
 from jaxsora.train.memory import EmptyPlanError  # noqa: F401  (re-exported)
 from jaxsora.train.run_folder import new_run_folder as _new_run_folder  # noqa: F401  (tests import it here)
@@ -207,8 +207,8 @@ def _lost_peer_handler(outdir: str):
     heartbeat's phase "lost-peer"; exit code EXIT_PEER_LOST."""
     import sys
 
+    from jaxsora.checkpoint import INTEGRITY_FILE, checkpoint_steps
     from jaxsora.errors import EXIT_PEER_LOST
-    from jaxsora.train.checkpoint import INTEGRITY_FILE, checkpoint_steps
 
     def handler(lost: list, why: str) -> None:
         step = _progress["step"]

@@ -27,7 +27,7 @@ def resolve_load_number(config, opts):
 def _loaded_run_folder(load: str, step) -> str | None:
     """The run folder a `--load` path belongs to (the parent of its `checkpoints/` folder), or None
     for a folder of step folders that is not a run's `checkpoints/`."""
-    from jaxsora.train.checkpoint import resolve_checkpoint
+    from jaxsora.checkpoint import resolve_checkpoint
 
     root, _ = resolve_checkpoint(load, step)
     return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else None
@@ -46,7 +46,7 @@ def given_run_folder(opts) -> str | None:
 
 def _existing_run(path: str) -> str | None:
     """What in a folder shows that a run already wrote there (checkpoints, a metrics log), or None."""
-    from jaxsora.train.checkpoint import checkpoint_steps
+    from jaxsora.checkpoint import checkpoint_steps
 
     ckpts = os.path.join(path, "checkpoints")
     steps = checkpoint_steps(ckpts)

@@ -12,7 +12,7 @@ state, EMA of the params and the RNG key. Every array is created directly in its
   the mesh; the weights themselves are read shard by shard by `jaxsora.convert.sharded`, and only
   what a file lacks is initialized (`init_variables_sharded`).
 - Restoring (`--load`) reads each shard from the checkpoint into its target sharding
-  (`jaxsora.train.checkpoint.restore` with `plan.abstract_sharded`).
+  (`jaxsora.checkpoint.restore` with `plan.abstract_sharded`).
 
 LoRA (`plan.lora`, see `jaxsora.models.lora`): the model is built, then its targeted Linears are
 wrapped (in the same trace); the trainable params are then the adapters alone, so the optimizer

@@ -273,7 +273,7 @@ def _checkpoint_lora(load, step) -> dict | None:
     item, or `step`); None when it cannot be read (restore reports that)."""
     import json
 
-    from jaxsora.train.checkpoint import CheckpointError, checkpoint_steps, resolve_checkpoint
+    from jaxsora.checkpoint import CheckpointError, checkpoint_steps, resolve_checkpoint
 
     try:
         root, named = resolve_checkpoint(load, step)
@@ -291,7 +291,7 @@ def _checkpoint_lora(load, step) -> dict | None:
 def _check_sources(opts) -> None:
     """--load / --ckpt-path point at something of the right kind (before anything compiles)."""
     if opts.load:
-        from jaxsora.train.checkpoint import check_resumable
+        from jaxsora.checkpoint import check_resumable
 
         check_resumable(opts.load, getattr(opts, "step", None))  # resolves the path; no opt_state → one line
     if opts.ckpt_path and os.path.isfile(opts.ckpt_path):

@@ -3,7 +3,7 @@ arrays at a time, written as a weights-only step that `ckpt verify`, `convert to
 sharded weight reader (sampling, --ckpt-path) accept; every mistake is one line with exit code 2.
 
 The inputs are checkpoints of the "tiny" STDiT3 (its params shifted per step, an EMA beside them)
-written by `train.checkpoint.Checkpointer`, as training writes them; one test adds the older
+written by `jaxsora.checkpoint.Checkpointer`, as training writes them; one test adds the older
 single `state/` layout and a synthetic tree with bf16 and integer arrays."""
 import os
 import shutil
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxsora import checkpoint as ck
 from jaxsora import ckpt as ckpt_cli
+from jaxsora.checkpoint.fingerprint import array_name
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3, trainable_filter
 from jaxsora.tools import average as avg
 from jaxsora.tools import lazy_save
-from jaxsora.train import checkpoint as ck
-from jaxsora.train.fingerprint import array_name
 from tests.conftest import REPO
 from tests.train.test_checkpoint import _flip_bytes, _no_traceback
 from tests.train.test_checkpoint_items import _largest_file, _poison, _save_old_layout, _unpoison

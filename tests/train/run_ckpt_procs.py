@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxsora.train.checkpoint import Checkpointer, restore  # noqa: E402
+from jaxsora.checkpoint import Checkpointer, restore  # noqa: E402
 
 directory, mode = sys.argv[1], sys.argv[2]
 mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))

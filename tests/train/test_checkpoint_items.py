@@ -21,10 +21,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsora import checkpoint as ck
 from jaxsora import ckpt as ckpt_cli
-from jaxsora.train import checkpoint as ck
-from jaxsora.train import fingerprint as fp
-from jaxsora.train.checkpoint import Checkpointer, CheckpointError, restore
+from jaxsora.checkpoint import Checkpointer, CheckpointError, restore
+from jaxsora.checkpoint import fingerprint as fp
 from tests.train.test_checkpoint import _abstract, _assert_tree_equal, _flip_bytes, _mesh, _no_traceback
 
 OLD_ITEMS = ("state", "config", "data", "meta")

@@ -13,9 +13,9 @@ import types
 import pytest
 
 import jaxsora.runs as runs_lib
+from jaxsora.checkpoint import checkpoint_steps
 from jaxsora.errors import UserError
 from jaxsora.runs import CLAIMS_DIR, new_run_dir, run_number
-from jaxsora.train.checkpoint import checkpoint_steps
 from jaxsora.train.logging import run_name
 from jaxsora.train.loop import RunOptions, train
 from tests.train.common import REPO, small_config

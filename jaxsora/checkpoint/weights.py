@@ -7,8 +7,8 @@ from typing import Any
 
 import jax
 
-from jaxsora.train.checkpoint.integrity import _check_json_digest, _compare, _fingerprints, _read_record
-from jaxsora.train.checkpoint.layout import (
+from jaxsora.checkpoint.integrity import _check_json_digest, _compare, _fingerprints, _read_record
+from jaxsora.checkpoint.layout import (
     ARRAY_ITEMS,
     LEGACY_ITEM,
     CheckpointError,
@@ -17,8 +17,8 @@ from jaxsora.train.checkpoint.layout import (
     _Unusable,
     is_legacy_layout,
 )
-from jaxsora.train.checkpoint.orbax_io import _host_item, item_metadata_tree
-from jaxsora.train.orbax_errors import install_noise_filters, one_line_error, quiet_orbax
+from jaxsora.checkpoint.orbax_errors import install_noise_filters, one_line_error, quiet_orbax
+from jaxsora.checkpoint.orbax_io import _host_item, item_metadata_tree
 
 # Fields of an older `state` item that may hold model variables besides params/ema.
 LEGACY_EXTRA_FIELDS = ("frozen", "buffers", "model_state")

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxsora.train.checkpoint.layout import CheckpointError
-from jaxsora.train.fingerprint import array_name
-from jaxsora.train.orbax_errors import one_line_error
+from jaxsora.checkpoint.fingerprint import array_name
+from jaxsora.checkpoint.layout import CheckpointError
+from jaxsora.checkpoint.orbax_errors import one_line_error
 
 
 def _item_metadata(item_dir: str):

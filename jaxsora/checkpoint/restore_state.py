@@ -9,14 +9,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxsora.train.checkpoint.integrity import (
+from jaxsora.checkpoint.integrity import (
     _check_json_digest,
     _compare,
     _fingerprints,
     _read_record,
     _recorded_items,
 )
-from jaxsora.train.checkpoint.layout import (
+from jaxsora.checkpoint.layout import (
     _REPLACE_STEPS,
     ARRAY_ITEMS,
     INTEGRITY_FILE,
@@ -40,8 +40,8 @@ from jaxsora.train.checkpoint.layout import (
     item_of,
     resolve_checkpoint,
 )
-from jaxsora.train.checkpoint.orbax_io import _host_item, _restore_tree
-from jaxsora.train.orbax_errors import install_noise_filters, one_line_error, quiet_orbax, say
+from jaxsora.checkpoint.orbax_errors import install_noise_filters, one_line_error, quiet_orbax, say
+from jaxsora.checkpoint.orbax_io import _host_item, _restore_tree
 
 
 def _expand_items(items) -> tuple:

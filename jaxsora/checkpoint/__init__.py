@@ -64,10 +64,10 @@ The newest `keep` checkpoints are kept (`keep=0`: all). Restoring uses an abstra
 The package, by concern: `layout` (items, errors, finding steps), `integrity` (the record),
 `orbax_io` (reading stored items), `save` (`Checkpointer`), `restore_state` (`restore`,
 `check_resumable`), `weights` (weights-only readers), `verify` (`verify_step`, the `ckpt` CLI).
-Everything is imported from `jaxsora.train.checkpoint`, as before the split.
+Everything is imported from `jaxsora.checkpoint`, as before the split.
 """
-from jaxsora.train.checkpoint.integrity import _integrity_doc, _json_digest, write_integrity_record
-from jaxsora.train.checkpoint.layout import (
+from jaxsora.checkpoint.integrity import _integrity_doc, _json_digest, write_integrity_record
+from jaxsora.checkpoint.layout import (
                                              ARRAY_ITEMS,
                                              CHECKPOINT_FORMAT,
                                              FINGERPRINT_METHOD,
@@ -90,11 +90,11 @@ from jaxsora.train.checkpoint.layout import (
                                              split_items,
                                              unfinished_saves,
 )
-from jaxsora.train.checkpoint.orbax_io import _host_item, item_metadata_tree
-from jaxsora.train.checkpoint.restore_state import check_resumable, restore
-from jaxsora.train.checkpoint.save import Checkpointer
-from jaxsora.train.checkpoint.verify import StepReport, folder_bytes, step_contents, verify_step
-from jaxsora.train.checkpoint.weights import (
+from jaxsora.checkpoint.orbax_io import _host_item, item_metadata_tree
+from jaxsora.checkpoint.restore_state import check_resumable, restore
+from jaxsora.checkpoint.save import Checkpointer
+from jaxsora.checkpoint.verify import StepReport, folder_bytes, step_contents, verify_step
+from jaxsora.checkpoint.weights import (
                                              LEGACY_EXTRA_FIELDS,
                                              read_json_item,
                                              read_weights,

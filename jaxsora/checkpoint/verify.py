@@ -8,14 +8,15 @@ import os
 
 import numpy as np
 
-from jaxsora.train.checkpoint.integrity import (
+from jaxsora.checkpoint.fingerprint import array_name
+from jaxsora.checkpoint.integrity import (
     _check_json_digest,
     _compare,
     _host_fingerprints,
     _read_record,
     _recorded_items,
 )
-from jaxsora.train.checkpoint.layout import (
+from jaxsora.checkpoint.layout import (
     ARRAY_ITEMS,
     INTEGRITY_FILE,
     ITEMS,
@@ -27,9 +28,8 @@ from jaxsora.train.checkpoint.layout import (
     _read_json_item,
     _Unusable,
 )
-from jaxsora.train.checkpoint.orbax_io import _host_item, _item_metadata, item_metadata_tree
-from jaxsora.train.fingerprint import array_name
-from jaxsora.train.orbax_errors import install_noise_filters, one_line_error, quiet_orbax
+from jaxsora.checkpoint.orbax_errors import install_noise_filters, one_line_error, quiet_orbax
+from jaxsora.checkpoint.orbax_io import _host_item, _item_metadata, item_metadata_tree
 
 
 @dataclasses.dataclass

@@ -13,8 +13,9 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
-from jaxsora.train.checkpoint.integrity import _integrity_doc, _json_digest
-from jaxsora.train.checkpoint.layout import (
+from jaxsora.checkpoint.fingerprint import device_fingerprints, fetch_fingerprints
+from jaxsora.checkpoint.integrity import _integrity_doc, _json_digest
+from jaxsora.checkpoint.layout import (
     _REPLACE_STEPS,
     CHECKPOINT_FORMAT,
     INTEGRITY_FILE,
@@ -24,8 +25,7 @@ from jaxsora.train.checkpoint.layout import (
     _array_item,
     split_items,
 )
-from jaxsora.train.fingerprint import device_fingerprints, fetch_fingerprints
-from jaxsora.train.orbax_errors import fmt_bytes, install_noise_filters, io_failure, write_json_atomic
+from jaxsora.checkpoint.orbax_errors import fmt_bytes, install_noise_filters, io_failure, write_json_atomic
 
 
 @dataclasses.dataclass

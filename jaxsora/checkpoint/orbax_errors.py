@@ -1,4 +1,4 @@
-"""Orbax and tensorstore failures as one line (used by `train.checkpoint`).
+"""Orbax and tensorstore failures as one line (used by `jaxsora.checkpoint`).
 
 A failed checkpoint read or write is turned into one `CheckpointError` line by the checkpoint
 code; this module keeps the rest quiet and helps it say things: log filters for what orbax,

@@ -1,4 +1,4 @@
-"""Layout-independent fingerprints of arrays: the checksums of `integrity.json` (train.checkpoint).
+"""Layout-independent fingerprints of arrays: the checksums of `integrity.json` (jaxsora.checkpoint).
 
 A fingerprint is a pair of uint32: each array is read as its logical C-order sequence of 32-bit
 words (2- and 1-byte dtypes widened, 8-byte dtypes split in two, low word first) and reduced with

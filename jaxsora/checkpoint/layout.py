@@ -8,8 +8,8 @@ import os
 
 import jax
 
+from jaxsora.checkpoint.orbax_errors import one_line_error
 from jaxsora.errors import UserError
-from jaxsora.train.orbax_errors import one_line_error
 
 WEIGHT_ITEMS = ("params", "frozen", "ema")  # what sampling, conversion and --ckpt-path read
 OPT_ITEM = "opt_state"  # optimizer state, step, rng: only --load reads it

@@ -10,15 +10,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxsora.train.checkpoint.layout import FINGERPRINT_METHOD, INTEGRITY_FILE, INTEGRITY_FORMAT, _array_item, _Unusable
-from jaxsora.train.fingerprint import (
+from jaxsora.checkpoint.fingerprint import (
     array_name,
     device_fingerprints,
     fetch_fingerprints,
     format_fingerprint,
     host_fingerprint,
 )
-from jaxsora.train.orbax_errors import one_line_error, write_json_atomic
+from jaxsora.checkpoint.layout import FINGERPRINT_METHOD, INTEGRITY_FILE, INTEGRITY_FORMAT, _array_item, _Unusable
+from jaxsora.checkpoint.orbax_errors import one_line_error, write_json_atomic
 
 
 def _json_digest(obj) -> str:
