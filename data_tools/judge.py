@@ -190,7 +190,7 @@ def draw_grid(judged: list[Judged], path: str, scale: int = 3) -> str:
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m data_tools.judge", description=__doc__,
-                                 formatter_class=HelpFormatter)
+                        formatter_class=HelpFormatter)
     ap.add_argument("input", metavar="DIR", help="folder of sample_NNNN.mp4 + .json (jaxsora.sample --output)")
     ap.add_argument("--png", metavar="FILE", help="write a picture of every sample's frames beside its prompt")
     ap.add_argument("--quiet", action="store_true", help="print the summary line only")

@@ -156,7 +156,7 @@ def _parse_frames(s: str):
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m data_tools.synthetic", description=__doc__,
-                                 formatter_class=HelpFormatter)
+                        formatter_class=HelpFormatter)
     ap.add_argument("--output", "--out", dest="out", metavar="DIR", required=True,
                     help="folder for videos/, images/, meta.csv and prompts.txt (made if missing)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="the sizes and counts to start from")

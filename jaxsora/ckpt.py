@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from jaxsora.errors import BadInput
 
     ap = ArgumentParser(prog="python -m jaxsora.ckpt", description=__doc__, formatter_class=_Help,
-                                 epilog="exit status: 0 all intact, 1 some corrupt or partial (verify), 2 usage error")
+                        epilog="exit status: 0 all intact, 1 some corrupt or partial (verify), 2 usage error")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn, text in (("list", cmd_list, "table of the checkpoints: step, size, contents, status"),

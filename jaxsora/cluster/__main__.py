@@ -39,7 +39,7 @@ def _common(parser: argparse.ArgumentParser, default) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m jaxsora.cluster", description=sys.modules["jaxsora.cluster"].__doc__,
-                                 formatter_class=_Help)
+                        formatter_class=_Help)
     _common(ap, None)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 

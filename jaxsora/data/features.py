@@ -116,6 +116,10 @@ def shard_problem(path: str, expected: int | None) -> str | None:
     return None
 
 
+# (folder, every shard's (name, size, mtime)) this process found intact (`FeatureStore._check_shards`)
+_INTACT_SHARDS: set = set()
+
+
 class FeatureStore:
     """Random access to a finished feature directory. Picklable (the TFDS source reopens lazily),
     so it can travel into grain workers.
@@ -139,13 +143,7 @@ class FeatureStore:
             raise FeatureCacheError(f"{path} does not read as JSON: {e}") from None
         if self.manifest.get("format") != FORMAT:
             raise FeatureCacheError(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
-        lengths = self.manifest.get("shard_lengths") or [None] * len(self.manifest["shards"])
-        for name, n in zip(self.manifest["shards"], lengths):  # every shard, before a run takes its folder
-            problem = shard_problem(os.path.join(self.dir, name), n)
-            if problem:
-                raise FeatureCacheError(
-                    f"{self.dir}: shard {name} {problem}: run the same `python -m data_tools.precompute` command "
-                    f"again to re-make it (or --overwrite to re-make the whole cache)")
+        self._check_shards()
         try:
             with np.load(os.path.join(self.dir, ASSIGNMENT)) as a:
                 self.record_rows = np.asarray(a["rows"], np.int64)
@@ -165,6 +163,30 @@ class FeatureStore:
         self._order = np.argsort(self.record_rows, kind="stable")
         self._source = None
         self._lock = threading.Lock()
+
+    def _check_shards(self) -> None:
+        """Every shard there with its record count, before a run takes its folder. A start-up opens the
+        store three times (config check, encoders, loader): shards whose size and mtime this process has
+        already found intact are not read again."""
+        names = list(self.manifest["shards"])
+        stats = []
+        for name in names:
+            try:
+                st = os.stat(os.path.join(self.dir, name))
+                stats.append((name, st.st_size, st.st_mtime_ns))
+            except OSError:
+                stats.append((name, None, None))
+        key = (os.path.realpath(self.dir), tuple(stats))
+        if key in _INTACT_SHARDS:
+            return
+        lengths = self.manifest.get("shard_lengths") or [None] * len(names)
+        for name, n in zip(names, lengths):
+            problem = shard_problem(os.path.join(self.dir, name), n)
+            if problem:
+                raise FeatureCacheError(
+                    f"{self.dir}: shard {name} {problem}: run the same `python -m data_tools.precompute` command "
+                    f"again to re-make it (or --overwrite to re-make the whole cache)")
+        _INTACT_SHARDS.add(key)
 
     @property
     def fingerprint(self) -> str:

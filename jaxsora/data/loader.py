@@ -306,12 +306,13 @@ class VideoLoader:
             counts[(b[0], f, h, w)] = (n + len(rows) // gbs, gbs, r + len(rows))
         return [(k, n, gb, r) for k, (n, gb, r) in counts.items()]
 
-    def left_out_note(self, epoch: int = 0) -> str | None:
+    def left_out_note(self, epoch: int = 0, plan: list | None = None) -> str | None:
         """One line when rows of the table sit out epoch `epoch` (None when every row has a bucket):
         how many, and how many are clips too short for every video bucket — a T-frame bucket takes
         clips of more than T·frame_interval frames (Open-Sora's rule), so 8-frame clips with an
-        8-frame bucket train nowhere, without an error."""
-        assigned = sum(r for *_, r in self.describe_plan(epoch))
+        8-frame bucket train nowhere, without an error. `plan`: `describe_plan(epoch)` when the caller
+        has it already (assigning a large table's rows is not free)."""
+        assigned = sum(r for *_, r in (self.describe_plan(epoch) if plan is None else plan))
         total = self.num_rows
         if assigned >= total:
             return None

@@ -36,7 +36,7 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
         lines.append(f"{str(bucket):<32} {rows:>7} {nb:>14} {gb:>13}")
         total += nb
     lines.append(f"steps per epoch: {total}")
-    note = loader.left_out_note(0) if hasattr(loader, "left_out_note") else None
+    note = loader.left_out_note(0, plan_rows) if hasattr(loader, "left_out_note") else None
     if note:
         lines.append(f"note: {note}")
     if total == 0:

@@ -191,7 +191,7 @@ def compile_plan(setup, loader) -> list:
         raise EmptyPlanError(f"no bucket gets one full global batch from the table {config.data.get('table')} "
                              f"({per_bucket or 'no row fits any bucket'}); lower the batch sizes or add data "
                              "(python -m jaxsora.train ... --dry-run shows the plan)")
-    note = loader.left_out_note(loader.epoch) if hasattr(loader, "left_out_note") else None
+    note = loader.left_out_note(loader.epoch, described) if hasattr(loader, "left_out_note") else None
     if note and jax.process_index() == 0:
         print(f"[jaxsora.data] {note}", flush=True)
     limit = device_memory_limit(config)
