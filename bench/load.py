@@ -58,8 +58,8 @@ def measure(args) -> dict:
     import jaxsora.models  # noqa: F401
     from jaxsora.models.presets import get_model_config
     from jaxsora.parallel.mesh import logical_rules, make_mesh
-    from jaxsora.train.optim import make_optimizer
-    from jaxsora.train.state import init_variables_sharded, model_variables, plan_state, with_variables
+    from jaxsora.train.step.optim import make_optimizer
+    from jaxsora.train.step.state import init_variables_sharded, model_variables, plan_state, with_variables
 
     mesh = make_mesh(dict(data=args.devices // args.fsdp, fsdp=args.fsdp, sequence=1))
     cfg = get_model_config(args.model)
@@ -78,7 +78,7 @@ def measure(args) -> dict:
         arrays = with_variables(plan, values)
     else:
         from jaxsora.convert.torch import from_torch_state_dict, read_state_dict
-        from jaxsora.train.state import split_model
+        from jaxsora.train.step.state import split_model
 
         model = from_torch_state_dict(read_state_dict(args.weights), cfg)
         _, params, frozen = split_model(model)

@@ -26,7 +26,7 @@ A worker process runs `load_sample` one sample after another: its rate is the on
 
 The step: per-device batch from Open-Sora 1.2's stage-1 bucket config × 8 GPUs = clips one host
 needs per step. The step time is `--step-seconds`, or the model FLOPs of STDiT3-XL/2 at the bucket's
-latent shape (`jaxsora.train.mfu`, forward + backward) at `--mfu` (45%) of an H100's 989 TFLOP/s
+latent shape (`jaxsora.train.plan.mfu`, forward + backward) at `--mfu` (45%) of an H100's 989 TFLOP/s
 bf16 (VAE and T5 not counted: a real step is longer, so this errs toward more workers). Workers
 decode while the step runs: with W workers a step waits max(0, clips / (W · rate) − step) for data;
 "data wait" is that share of the step's wall time. Per-worker rates add up only while there are
@@ -215,7 +215,7 @@ def step_seconds(args, t: int, hw: tuple[int, int], per_device: int) -> tuple[fl
         return float(args.step_seconds), "given (--step-seconds)"
     from jaxsora.models.presets import get_model_config
     from jaxsora.models.vae import latent_frames
-    from jaxsora.train.mfu import train_flops_per_sample
+    from jaxsora.train.plan.mfu import train_flops_per_sample
 
     cfg = get_model_config("STDiT3-XL/2")
     latent = (latent_frames(t), hw[0] // 8, hw[1] // 8)

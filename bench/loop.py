@@ -1,4 +1,4 @@
-"""The training loop's own cost: time per step of `jaxsora.train.loop.train` with metrics fetched
+"""The training loop's own cost: time per step of `jaxsora.train.run.loop.train` with metrics fetched
 and logged every step (`train.log_every=1`) against every 1000 steps (logging effectively off).
 
     python bench/loop.py [--steps 80] [--devices 1] [--model demo] [--size 8x32x32]
@@ -59,7 +59,7 @@ class MemoryLoader:
 
 def run(steps: int, log_every: int, out: str, args) -> float:
     from configs import demo
-    from jaxsora.train.loop import RunOptions, train
+    from jaxsora.train.run.loop import RunOptions, train
 
     c = demo.get_config()
     c.data.table = os.path.join(HERE, "..", "pyproject.toml")  # any file: the memory loader ignores it

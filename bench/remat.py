@@ -26,9 +26,9 @@ def compile_variant(model: str, latent, batch: int, dtype: str, remat: str, scan
 
     from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.parallel.sharding import abstract_of
-    from jaxsora.train.optim import lr_schedule, make_optimizer
-    from jaxsora.train.state import plan_state
-    from jaxsora.train.step import TrainStep, make_train_step
+    from jaxsora.train.step.optim import lr_schedule, make_optimizer
+    from jaxsora.train.step.state import plan_state
+    from jaxsora.train.step.train_step import TrainStep, make_train_step
 
     s = bench_step.Shape("x", model, tuple(latent), batch, dtype, remat, scan, overrides)
     cfg = bench_step.model_config(s)

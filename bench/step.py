@@ -1,5 +1,5 @@
 """Train-step benchmark: per shape, step time, tokens/s, TFLOP/s and MFU, compile time and device
-memory of jaxsora's real jitted step (`jaxsora.train.step.TrainStep` on a mesh of the local
+memory of jaxsora's real jitted step (`jaxsora.train.step.train_step.TrainStep` on a mesh of the local
 devices); with `--reference`, the real Open-Sora PyTorch step at the same shape, side by side.
 
     python bench/step.py                                         # the listed shapes: tiny, realistic
@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from jaxsora.train.mfu import device_peak_flops, forward_flops
+from jaxsora.train.plan.mfu import device_peak_flops, forward_flops
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -106,9 +106,9 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     import jaxsora.models  # noqa: F401
     from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.parallel.sharding import abstract_of
-    from jaxsora.train.optim import lr_schedule, make_optimizer
-    from jaxsora.train.state import init_state_sharded, plan_state
-    from jaxsora.train.step import TrainStep, make_train_step
+    from jaxsora.train.step.optim import lr_schedule, make_optimizer
+    from jaxsora.train.step.state import init_state_sharded, plan_state
+    from jaxsora.train.step.train_step import TrainStep, make_train_step
 
     cfg = model_config(s, args.attention)
     mesh = make_mesh(dict(data=-1, fsdp=1, sequence=1))

@@ -113,7 +113,7 @@ def get_config():
                                         # unknown devices and CPU log no MFU)
     ))
     # Validation loss on a held-out table (Open-Sora 1.2 eval/loss/eval_loss.py, spec §2.3): fixed timesteps,
-    # fixed noise, per (resolution, num_frames) bucket; see jaxsora/train/eval.py. Off while table is "".
+    # fixed noise, per (resolution, num_frames) bucket; see jaxsora/train/eval/loss.py. Off while table is "".
     c.eval = mlc.ConfigDict(dict(
         table="",                       # held-out CSV/parquet table ("": no eval)
         every=0,                        # steps between evals (0: none during training)

@@ -59,7 +59,7 @@ class OutputExists(UserError, FileExistsError):
 
 
 class ConfigError(UserError, ValueError):
-    """A run config that cannot work (checked before any work: `jaxsora.train.validate`)."""
+    """A run config that cannot work (checked before any work: `jaxsora.train.plan.validate`)."""
 
 
 class MissingDependency(UserError, ImportError):

@@ -104,3 +104,22 @@ def test_sampling_and_checkpoint_tools_import_nothing_of_train():
                 bad.append(f"{m} → … {via} → {n}")
                 break
     assert not bad, bad
+
+
+# train/ by concern (#25): the run and its supervision, the step and its state, the eval, the plan.
+TRAIN_ROOMS = ("run", "step", "eval", "plan")
+TRAIN_TOP = ("__init__", "__main__", "build", "contracts")
+MAX_LINES = 400
+
+
+def test_train_is_grouped_by_concern():
+    train = ROOT / "jaxsora" / "train"
+    loose = [p.name for p in train.glob("*.py") if p.stem not in TRAIN_TOP]
+    assert not loose, f"modules of train/ outside its concern folders {TRAIN_ROOMS}: {loose}"
+    folders = sorted(p.name for p in train.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(TRAIN_ROOMS), folders
+    for room in TRAIN_ROOMS:
+        assert (train / room / "__init__.py").read_text().strip(), f"train/{room}/__init__.py says what it holds"
+    long = {str(p.relative_to(ROOT)): n for p in train.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files of train/ over {MAX_LINES} lines: {long}"

@@ -1,6 +1,6 @@
 """`dump`: every trainer's Python stacks, without stopping it.
 
-The trainer registers `jaxsora.train.supervise.register_stack_dump(<run>, process_index)`, which
+The trainer registers `jaxsora.train.run.supervise.register_stack_dump(<run>, process_index)`, which
 makes SIGUSR2 append all threads' stacks to `<run>/stacks/<process>.txt` (faulthandler: written
 from the signal handler, so it works while a thread is stuck in a collective or holds the GIL in
 C code). `dump` sends SIGUSR2 by the recorded pid — only when /proc/PID/status shows the signal

@@ -47,7 +47,7 @@ def read_pids(logdir: str) -> dict | None:
 
 
 def parse_heartbeats(lines: list[str]) -> dict[int, dict]:
-    """Heartbeat JSON lines (`jaxsora.train.supervise.write_heartbeat`) → {process: newest}."""
+    """Heartbeat JSON lines (`jaxsora.train.run.supervise.write_heartbeat`) → {process: newest}."""
     beats: dict[int, dict] = {}
     for line in lines:
         try:

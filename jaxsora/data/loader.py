@@ -199,7 +199,7 @@ class _ExitWithParent:
     holding it.
 
     It also registers faulthandler for SIGUSR1, so that the trainer's watchdog can ask a stalled
-    loader's workers for their stacks (`train.supervise.Watchdog`)."""
+    loader's workers for their stacks (`train.run.supervise.Watchdog`)."""
 
     def __init__(self, parent_pid: int):
         self.parent_pid = int(parent_pid)

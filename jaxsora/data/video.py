@@ -9,7 +9,7 @@ crop to (H, W). Images: resize-to-cover (bicubic), 1 frame, fps 120.
 Samples leave the loader as uint8 [3, T, H, W] (a quarter of the float32 bytes through worker
 shared memory, host RAM and the host→device copy); `to_model_range` — x / 127.5 − 1, the
 reference's Normalize(0.5, 0.5) — maps them to [-1, 1], on the host here or inside the jitted
-train step (`jaxsora.train.step`), with the same float32 result.
+train step (`jaxsora.train.step.train_step`), with the same float32 result.
 
 Only the frames a crop needs are decoded. For a constant-rate stream whose timing says so (a start
 time, an average rate equal to the stream's rate, duration × rate = the frame count N) the decode

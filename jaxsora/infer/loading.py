@@ -226,7 +226,7 @@ def restore_model(step_dir: str, mcfg, run_cfg: Mapping | None, mesh, rules, *, 
     from jaxsora.parallel.sharding import tree_shardings
 
     # The model's structure and each variable's sharding, from a trace of its initialization
-    # (as train.state.plan_state; nothing is allocated).
+    # (as train.step.state.plan_state; nothing is allocated).
     box: dict = {}
     lora_spec = lora.LoRASpec.from_config((run_cfg or {}).get("lora"))
 

@@ -27,8 +27,8 @@ def search(config, *, fraction: float = 0.9, max_batch: int | None = None, use_t
     from jaxsora.config import ConfigError, load_bucket_config_file
     from jaxsora.data.aspect import resolution_tables
     from jaxsora.data.buckets import normalize_bucket_config
-    from jaxsora.train import memory
-    from jaxsora.train.setup import default_loader, plain, setup_run
+    from jaxsora.train.plan import memory
+    from jaxsora.train.run.setup import default_loader, plain, setup_run
 
     device = memory.device_memory_limit(config)
     if device is None:

@@ -51,7 +51,7 @@ def _body() -> int:
     from jaxsora.parallel.distributed import initialize
 
     initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-    from jaxsora.train.loop import NonFiniteError, RunOptions, train
+    from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 
     opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, step=FLAGS.step, ckpt_path=FLAGS.ckpt_path,
                       start_from_scratch=FLAGS.start_from_scratch, outputs=FLAGS.outputs, run_dir=FLAGS.run_dir,

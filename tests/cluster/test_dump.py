@@ -10,7 +10,7 @@ from tests.cluster.conftest import PY, alive, wait_for
 
 CHILD = """
 import os, sys, time
-from jaxsora.train.supervise import register_stack_dump
+from jaxsora.train.run.supervise import register_stack_dump
 
 register_stack_dump(sys.argv[1], int(os.environ["JAX_PROCESS_ID"]))
 print("ready", flush=True)

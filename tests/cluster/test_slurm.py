@@ -9,7 +9,7 @@ import pytest
 from jaxsora.cluster.__main__ import main
 from jaxsora.cluster.hosts import slurm_hosts
 from jaxsora.errors import UserError
-from jaxsora.train.supervise import _proc_start
+from jaxsora.train.run.supervise import _proc_start
 from tests.cluster.conftest import FAKE_SRUN, write_exe
 
 SQUEUE = """#!/bin/sh

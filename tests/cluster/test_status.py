@@ -7,7 +7,7 @@ import time
 
 from jaxsora.cluster import records
 from jaxsora.cluster.status import parse_apps, parse_gpus
-from jaxsora.train.supervise import _proc_start, write_heartbeat
+from jaxsora.train.run.supervise import _proc_start, write_heartbeat
 
 GPUS_A = """0, NVIDIA H100 80GB HBM3, 61234, 81559, 697.50, 1980, 1980, 0, 63, 100
 1, NVIDIA H100 80GB HBM3, 61000, 81559, 690.25, 1755, 1980, 2, 65, 98"""

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from jaxsora.train import supervise
+from jaxsora.train.run import supervise
 
 
 def test_heartbeat(tmp_path, capsys):
@@ -27,7 +27,7 @@ def test_heartbeat(tmp_path, capsys):
 
 
 def test_stack_dump_on_sigusr2(tmp_path):
-    code = ("import sys, time\nfrom jaxsora.train.supervise import register_stack_dump\n"
+    code = ("import sys, time\nfrom jaxsora.train.run.supervise import register_stack_dump\n"
             "path = register_stack_dump(sys.argv[1], 2)\n"
             "def waiting_here():\n    print(path, flush=True)\n    time.sleep(60)\nwaiting_here()\n")
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

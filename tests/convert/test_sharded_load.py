@@ -12,8 +12,8 @@ from jaxsora.convert import native, save_torch_state_dict, to_torch_state_dict
 from jaxsora.convert.torch import torch_key
 from jaxsora.io import weights as weights_io
 from jaxsora.models.stdit3 import STDiT3
-from jaxsora.train.setup import setup_run, weights_only_state
-from jaxsora.train.state import model_variables
+from jaxsora.train.run.setup import setup_run, weights_only_state
+from jaxsora.train.step.state import model_variables
 from tests.train.common import small_config
 
 

@@ -17,7 +17,7 @@ from jaxsora.config import ConfigError, validate_config
 from jaxsora.data.features import FeatureCacheError, FeatureLoader, FeatureStore
 from jaxsora.data.plan import DataStateMismatch
 from jaxsora.errors import OutputExists
-from jaxsora.train.setup import default_loader, fresh_state, setup_run
+from jaxsora.train.run.setup import default_loader, fresh_state, setup_run
 from tests.train.common import REPO, small_config
 
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
@@ -73,7 +73,7 @@ def test_step_from_features_equals_step_from_video(features, table):
     raw_loader, feat_loader = default_loader(raw_cfg, raw.data_parallel_size, raw.encoders.text_inputs), \
         default_loader(feat_cfg, feat.data_parallel_size, None)
     assert [tuple(p.rows) for p in raw_loader.plan(0)] == [tuple(p.rows) for p in feat_loader.plan(0)]
-    from jaxsora.train.step import global_batch
+    from jaxsora.train.step.train_step import global_batch
 
     it_raw, it_feat = iter(raw_loader), iter(feat_loader)
     for _ in range(2):  # both buckets' shapes come up in the first batches of this plan
@@ -153,7 +153,7 @@ def test_config_checks(features, table, tmp_path):
 def test_a_features_run_reads_no_table(features, tmp_path):
     """The README's features run: `--config.data.features=feats/` with the config's own table unset or gone
     (stage1's is "", the demo's names a file that may not exist where the run trains) trains."""
-    from jaxsora.train.loop import RunOptions, train
+    from jaxsora.train.run.loop import RunOptions, train
 
     out, _ = features
     for table in ("", str(tmp_path / "gone" / "meta.csv")):
@@ -188,7 +188,7 @@ def test_damaged_shards_are_refused_early_and_made_again(table, tmp_path):
     before a run takes a folder — naming the shard and the fix; the same precompute command re-makes it."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    from jaxsora.train.loop import RunOptions, train
+    from jaxsora.train.run.loop import RunOptions, train
 
     a, b = tmp_path / "a", tmp_path / "b"
     _precompute(table, a, 1)

@@ -40,7 +40,7 @@ def tiny_vae(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def run(tmp_path_factory):
-    from jaxsora.train.loop import RunOptions, train
+    from jaxsora.train.run.loop import RunOptions, train
     from tests.train.common import small_config
     from tests.train.fake_loader import FakeLoader
 

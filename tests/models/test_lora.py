@@ -15,8 +15,8 @@ from jaxsora.models import lora
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3
 from jaxsora.parallel.sharding import logical_sharding
-from jaxsora.train.setup import fresh_state, setup_run, weights_only_state
-from jaxsora.train.step import global_batch
+from jaxsora.train.run.setup import fresh_state, setup_run, weights_only_state
+from jaxsora.train.step.train_step import global_batch
 from tests.train.common import small_config
 from tests.train.fake_loader import FakeLoader
 

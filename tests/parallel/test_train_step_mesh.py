@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxsora.parallel.mesh import MeshError
-from jaxsora.train.setup import fresh_state, setup_run
-from jaxsora.train.step import global_batch
+from jaxsora.train.run.setup import fresh_state, setup_run
+from jaxsora.train.step.train_step import global_batch
 from tests.train.common import small_config
 from tests.train.fake_loader import FakeLoader
 

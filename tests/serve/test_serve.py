@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxsora.serve import ServeOptions, complete_steps, resolve_run, serve
-from jaxsora.train.loop import RunOptions, train
+from jaxsora.train.run.loop import RunOptions, train
 from tests.train.common import small_config
 from tests.train.fake_loader import FakeLoader
 

@@ -19,7 +19,7 @@ from jaxsora.convert import native
 from jaxsora.convert import torch as tconv
 from jaxsora.models import lora
 from jaxsora.tools import lora as tool
-from jaxsora.train.loop import RunOptions, train
+from jaxsora.train.run.loop import RunOptions, train
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 
@@ -49,7 +49,7 @@ def run(tmp_path_factory):
     from flax import nnx
 
     from jaxsora.models.stdit3 import STDiT3
-    from jaxsora.train.setup import setup_run
+    from jaxsora.train.run.setup import setup_run
 
     mcfg = setup_run(small_config(out / "probe", mesh=(1, 1, 1))).model_config
     native.save_weights(base, STDiT3(mcfg, rngs=nnx.Rngs(7)))

@@ -31,7 +31,7 @@ from jaxsora.parallel.distributed import initialize  # noqa: E402
 initialize()
 import jax  # noqa: E402
 
-from jaxsora.train.loop import NonFiniteError, RunOptions, train  # noqa: E402
+from jaxsora.train.run.loop import NonFiniteError, RunOptions, train  # noqa: E402
 from tests.train.common import small_config  # noqa: E402
 from tests.train.fake_loader import FakeLoader  # noqa: E402
 

@@ -453,7 +453,7 @@ def test_cli_module_exit_codes(three_steps):
 # end to end: the training loop resumes past a corrupt newest checkpoint
 # ----------------------------------------------------------------------------------------------
 def test_training_resumes_past_a_corrupt_checkpoint(tmp_path, capfd):
-    from jaxsora.train.loop import RunOptions
+    from jaxsora.train.run.loop import RunOptions
     from tests.train.common import small_config
     from tests.train.test_loop import _run
 

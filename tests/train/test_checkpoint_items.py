@@ -317,7 +317,7 @@ def test_a_run_resumed_from_the_old_layout_saves_the_new_one(tmp_path):
 def real(tmp_path_factory):
     """A 2-step run; a copy without opt_state (rsync --exclude); a copy with opt_state poisoned;
     the same step in the older layout, with and without integrity.json."""
-    from jaxsora.train.setup import setup_run
+    from jaxsora.train.run.setup import setup_run
     from tests.train.common import small_config
     from tests.train.test_loop import _run
 
@@ -359,8 +359,8 @@ def test_real_old_layout_restores_bit_exact(real, capfd):
 
 
 def test_ckpt_path_reads_a_copy_without_opt_state(real):
-    from jaxsora.train.setup import weights_only_state
-    from jaxsora.train.state import model_variables
+    from jaxsora.train.run.setup import weights_only_state
+    from jaxsora.train.step.state import model_variables
 
     setup = real["setup"]
     ref = weights_only_state(setup, str(real["run"] / "checkpoints"))
@@ -424,7 +424,7 @@ def test_weights_readers_refuse_corrupt_weights(real, tmp_path):
 
 
 def test_load_of_a_copy_without_opt_state_is_one_line(real):
-    from jaxsora.train.loop import RunOptions
+    from jaxsora.train.run.loop import RunOptions
     from tests.train.common import small_config
     from tests.train.test_loop import _run
 
@@ -438,7 +438,7 @@ def test_load_of_a_copy_without_opt_state_is_one_line(real):
 def test_load_of_the_old_layout_continues_like_the_new(real):
     """--load of the same step in the older layout (with and without integrity.json) continues the
     run bit for bit like --load of the run itself, and saves the new layout."""
-    from jaxsora.train.loop import RunOptions
+    from jaxsora.train.run.loop import RunOptions
     from tests.train.common import small_config
     from tests.train.test_loop import _params, _run
 

@@ -13,7 +13,7 @@ import pytest
 
 from data_tools.synthetic import generate
 from jaxsora.runs import describe, format_table
-from jaxsora.train.supervise import STACK_DUMP_SIGNAL
+from jaxsora.train.run.supervise import STACK_DUMP_SIGNAL
 from tests.train.common import REPO
 
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",

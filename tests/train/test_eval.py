@@ -1,4 +1,4 @@
-"""The validation loss (`jaxsora.train.eval`) and the throughput metrics of the log line: the eval is
+"""The validation loss (`jaxsora.train.eval.loss`) and the throughput metrics of the log line: the eval is
 deterministic (twice, after a resume, on another mesh), independent of the train step and RNG,
 equal to a direct computation with `rflow.training_loss_explicit`, logged per bucket (eval.jsonl,
 wandb, console); MFU, data-wait share and per-bucket step times in metrics.jsonl."""
@@ -19,10 +19,10 @@ from flax import nnx
 from data_tools.synthetic import generate
 from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
-from jaxsora.train import eval as eval_lib
-from jaxsora.train.loop import RunOptions, train
-from jaxsora.train.mfu import device_peak_flops, forward_flops
-from jaxsora.train.setup import fresh_state, setup_run
+from jaxsora.train.eval import loss as eval_lib
+from jaxsora.train.plan.mfu import device_peak_flops, forward_flops
+from jaxsora.train.run.loop import RunOptions, train
+from jaxsora.train.run.setup import fresh_state, setup_run
 from tests.train.common import small_config
 from tests.train.fake_loader import FakeLoader
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsora.train.loop import NonFiniteError, RunOptions, train
+from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import DataStateMismatch, FakeLoader
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from jaxsora.tools.search_bs import search
-from jaxsora.train import memory
-from jaxsora.train.loop import RunOptions, train
-from jaxsora.train.setup import setup_run
+from jaxsora.train.plan import memory
+from jaxsora.train.run.loop import RunOptions, train
+from jaxsora.train.run.setup import setup_run
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 

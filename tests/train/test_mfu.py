@@ -1,12 +1,12 @@
-"""The model FLOPs behind the logged MFU (jaxsora.train.mfu) against XLA's own count of the compiled
+"""The model FLOPs behind the logged MFU (jaxsora.train.plan.mfu) against XLA's own count of the compiled
 train step, built as the loop builds it: a full run and a LoRA run (frozen base), at a shape where
 attention is a quarter of the forward. XLA also counts elementwise work (softmax, norms, the
 optimizer), so its count is a little above ours; ours must never be above it — an MFU that claims
 FLOPs the step does not run is the failure this guards against (a LoRA run counted as 3 × forward)."""
 import pytest
 
-from jaxsora.train.mfu import forward_flops, train_flops_per_sample
-from jaxsora.train.setup import setup_run
+from jaxsora.train.plan.mfu import forward_flops, train_flops_per_sample
+from jaxsora.train.run.setup import setup_run
 from tests.train.common import small_config
 
 SIZE = (8, 64, 64)  # pixels (T, H, W): 8 × 32 × 32 latent with the demo's 2× pooling

@@ -16,8 +16,8 @@ import jaxsora.runs as runs_lib
 from jaxsora.checkpoint import checkpoint_steps
 from jaxsora.errors import UserError
 from jaxsora.runs import CLAIMS_DIR, new_run_dir, run_number
-from jaxsora.train.logging import run_name
-from jaxsora.train.loop import RunOptions, train
+from jaxsora.train.run.logging import run_name
+from jaxsora.train.run.loop import RunOptions, train
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 
@@ -206,7 +206,7 @@ def test_process_0_numbers_the_run_of_every_process(tmp_path):
     out = tmp_path / "outputs"
     (out / "041-earlier").mkdir(parents=True)
     code = ("import sys\nfrom jaxsora.parallel.distributed import initialize\ninitialize()\n"
-            "from ml_collections import ConfigDict\nfrom jaxsora.train.loop import _new_run_folder\n"
+            "from ml_collections import ConfigDict\nfrom jaxsora.train.run.loop import _new_run_folder\n"
             "cfg = ConfigDict(dict(train=dict(outputs=sys.argv[1], experiment='multi')))\n"
             "print('FOLDER', _new_run_folder(cfg), flush=True)\n")
     port = _free_port()

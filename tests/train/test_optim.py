@@ -12,8 +12,8 @@ from flax import nnx
 from configs import base, stage2
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3
-from jaxsora.train.optim import ema_update, lr_schedule, make_optimizer
-from jaxsora.train.state import split_model
+from jaxsora.train.step.optim import ema_update, lr_schedule, make_optimizer
+from jaxsora.train.step.state import split_model
 
 
 def test_linear_warmup_formula():

@@ -9,7 +9,7 @@ import pytest
 from data_tools.synthetic import generate
 from jaxsora.data.cache import write_cache
 from jaxsora.models.t5 import build_text_encoder
-from jaxsora.train.loop import RunOptions, train
+from jaxsora.train.run.loop import RunOptions, train
 from tests.train.common import small_config
 
 

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxsora.train.loop import NonFiniteError, RunOptions, train
-from jaxsora.train.supervise import RunLock, RunLockedError, Watchdog
+from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
+from jaxsora.train.run.supervise import RunLock, RunLockedError, Watchdog
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 
@@ -276,7 +276,7 @@ def test_loader_workers_answer_the_watchdog(workspace):
     """Grain workers register faulthandler for SIGUSR1, which is how the watchdog finds (SigCgt)
     and asks them for their stacks; a child without that handler is never signalled."""
     from jaxsora.data.loader import VideoLoader
-    from jaxsora.train.supervise import _children_with_usr1_handler
+    from jaxsora.train.run.supervise import _children_with_usr1_handler
 
     plain_child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

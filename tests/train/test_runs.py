@@ -58,7 +58,7 @@ def test_runs_are_listed_by_number_with_their_state(tmp_path):
 def test_an_ended_run_says_how_it_ended(tmp_path, phase, status):
     """No lock: the trainer's last heartbeat (process 0) tells done, stopped by a signal, failed; a
     heartbeat from before the first step (killed while compiling) or none at all: "stopped"."""
-    from jaxsora.train.supervise import write_heartbeat
+    from jaxsora.train.run.supervise import write_heartbeat
 
     run = _run(tmp_path, "004-stage1", steps=[10], complete=[10])
     if phase is not None:

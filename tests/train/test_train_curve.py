@@ -21,7 +21,7 @@ from configs import base
 from jaxsora.convert.torch import save_torch_state_dict, to_torch_state_dict
 from jaxsora.parallel.sharding import host_to_global
 from jaxsora.train import build
-from jaxsora.train.setup import setup_run, weights_only_state
+from jaxsora.train.run.setup import setup_run, weights_only_state
 from tests.conftest import FIXTURES, rel_err
 
 G = np.load(FIXTURES / "train_curve.npz")

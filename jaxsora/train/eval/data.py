@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxsora.train.eval_step import EVAL_SEED
+from jaxsora.train.eval.step import EVAL_SEED
 
 
 def bucket_name(res: str, frames: int) -> str:

@@ -171,7 +171,7 @@ def validate_config(config, opts=None) -> None:
     except MeshError as e:
         raise ConfigError(str(e)) from e
 
-    from jaxsora.train.optim import lr_schedule
+    from jaxsora.train.step.optim import lr_schedule
 
     try:
         lr_schedule(config.optim)

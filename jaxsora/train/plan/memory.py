@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxsora.errors import UserError
-from jaxsora.train.step import CompileInfo
+from jaxsora.train.step.train_step import CompileInfo
 
 GIB = 1 << 30
 

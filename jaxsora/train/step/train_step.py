@@ -30,8 +30,8 @@ from jaxsora.diffusion.masks import MaskGenerator
 from jaxsora.models.lora import dropout_rng as lora_dropout_rng
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
-from jaxsora.train.optim import ema_update
-from jaxsora.train.state import StatePlan, TrainState
+from jaxsora.train.step.optim import ema_update
+from jaxsora.train.step.state import StatePlan, TrainState
 
 # Batch entries that replace the step's own random draws (see `make_train_step`).
 EXPLICIT_DRAWS = ("t", "noise", "x_mask", "drop_ids")

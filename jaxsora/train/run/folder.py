@@ -138,7 +138,7 @@ class Claim:
 
     def taken(self, outdir: str) -> Claim:
         from jaxsora.runs import INVOCATIONS
-        from jaxsora.train.supervise import HEARTBEAT_DIR, STACKS_DIR
+        from jaxsora.train.run.supervise import HEARTBEAT_DIR, STACKS_DIR
 
         self.outdir = outdir
         self.entries = set(os.listdir(outdir)) if os.path.isdir(outdir) else set()

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxsora.parallel.sharding import bytes_per_device
-from jaxsora.train import memory
+from jaxsora.train.plan import memory
 
 
 def _numbers(tree) -> int:

@@ -1,6 +1,6 @@
 """The eval's pure function and its jitted step: fixed timesteps, noise and VAE keys that depend on
-`eval.seed`, the bucket and the row only (see `train.eval`), the rectified-flow loss summed per
-timestep; `EvalStep` compiles it for the run's mesh like `train.step.TrainStep`."""
+`eval.seed`, the bucket and the row only (see `train.eval.loss`), the rectified-flow loss summed per
+timestep; `EvalStep` compiles it for the run's mesh like `train.step.train_step.TrainStep`."""
 from __future__ import annotations
 
 import threading
@@ -17,7 +17,7 @@ from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
-from jaxsora.train.step import CompileInfo, batch_key, batch_spec, global_batch
+from jaxsora.train.step.train_step import CompileInfo, batch_key, batch_spec, global_batch
 
 # Open-Sora's eval config seeds with 42.
 EVAL_SEED = 42
@@ -35,7 +35,7 @@ def _stream_key(seed: int, stream: int):
 
 
 def noise_key(seed: int, code, row, t_index):
-    """The key of one row's noise at one timestep index (see `train.eval`'s docstring)."""
+    """The key of one row's noise at one timestep index (see `train.eval.loss`'s docstring)."""
     k = _stream_key(seed, _NOISE_STREAM)
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(k, code), row), t_index)
 
@@ -88,7 +88,7 @@ def make_eval_fn(graphdef, *, encode_video: Callable, encode_text: Callable,
 
 
 class EvalStep:
-    """The eval function jitted for the run's mesh, like `train.step.TrainStep`: traced, compiled and
+    """The eval function jitted for the run's mesh, like `train.step.train_step.TrainStep`: traced, compiled and
     called under `jax.set_mesh(mesh)` and the logical-axis rules; one executable per batch shape;
     outputs replicated; nothing donated. `use_ema`: evaluate the EMA instead of the params."""
 

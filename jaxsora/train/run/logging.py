@@ -5,13 +5,13 @@ on the console, one line in `<run>/metrics.jsonl` and one wandb log at the inter
 - loss (mean over the interval's applied steps), lr, grad_norm, weight_norm, epoch;
 - samples_per_s, tokens_per_s (image tokens), step_time (interval wall / steps), data_time (mean
   wait for the loader per step) and data_share (the loader waits' share of the interval's wall);
-- tflops_per_device (model FLOPs per second per device, `train.mfu`) and mfu (that over the device's
-  peak; only when the peak is known: a GPU in `train.mfu.PEAK_FLOPS` or `train.peak_flops`);
+- tflops_per_device (model FLOPs per second per device, `train.plan.mfu`) and mfu (that over the device's
+  peak; only when the peak is known: a GPU in `train.plan.mfu.PEAK_FLOPS` or `train.peak_flops`);
 - time/<res>_<T>x<H>x<W>: the mean step time of the interval's steps of that bucket shape (each
-  step's time from its completion, see `train.loop`);
+  step's time from its completion, see `train.run.loop`);
 - skipped (+ skipped/<reason>), nonfinite_total.
 
-Each evaluation (`train.eval`) writes one line to the console, one to `<run>/eval.jsonl`
+Each evaluation (`train.eval.loss`) writes one line to the console, one to `<run>/eval.jsonl`
 ({"step", "eval/loss", "eval/loss/<res>_<frames>", "eval/samples/<res>_<frames>",
 "eval/loss_by_t/<res>_<frames>" (a list, jsonl only), "eval/skipped", "eval/seconds", "eval/weights"})
 and logs its numbers to wandb at that step.
@@ -147,7 +147,7 @@ class MetricLogger:
         return summary
 
     def log_eval(self, result: dict) -> None:
-        """One evaluation (`train.eval.Evaluator.evaluate`): a console line, an eval.jsonl line and
+        """One evaluation (`train.eval.loss.Evaluator.evaluate`): a console line, an eval.jsonl line and
         wandb at its step (numbers only)."""
         if not self.enabled:
             return

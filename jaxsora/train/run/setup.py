@@ -31,8 +31,8 @@ from jaxsora.models.stdit3 import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.contracts import Loader
-from jaxsora.train.optim import lr_schedule, make_optimizer
-from jaxsora.train.state import (
+from jaxsora.train.step.optim import lr_schedule, make_optimizer
+from jaxsora.train.step.state import (
     StatePlan,
     TrainState,
     init_state_sharded,
@@ -42,7 +42,7 @@ from jaxsora.train.state import (
     state_from_weights,
     with_variables,
 )
-from jaxsora.train.step import TrainStep, batch_spec, make_train_step
+from jaxsora.train.step.train_step import TrainStep, batch_spec, make_train_step
 
 
 def plain(cfg) -> dict:

@@ -30,7 +30,7 @@ donated), traced under the run's mesh and logical-axis rules like the train step
 per bucket shape before step 0 (its memory is checked against the device like the train step's).
 Its per-batch outputs stay on the device; one transfer per evaluation fetches them.
 
-Modules: `train.eval_step` (the pure eval function and its jitted step), `train.eval_data` (the plan
+Modules: `train.eval.step` (the pure eval function and its jitted step), `train.eval.data` (the plan
 and the decoded batches); this one runs the evaluation (`Evaluator`) and builds it from the config.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ import numpy as np
 
 from jaxsora.diffusion import rflow
 from jaxsora.errors import UserError
-from jaxsora.train.eval_data import EvalBatch, EvalData, bucket_name, eval_plan, normalize_eval_buckets
-from jaxsora.train.eval_step import (
+from jaxsora.train.eval.data import EvalBatch, EvalData, bucket_name, eval_plan, normalize_eval_buckets
+from jaxsora.train.eval.step import (
     EVAL_SEED,
     EvalStep,
     bucket_code,
