@@ -19,8 +19,12 @@ $(STAMP): $(VPY) pyproject.toml
 
 install: $(STAMP)
 
+# The suite on TEST_WORKERS processes (pytest-xdist), whole files per worker so that module fixtures (compiled
+# steps, trained runs) are built once; files with `slow` tests are handed out first (tests/conftest.py).
+# Each worker holds a few GiB (8 fake devices, compiled steps): raise it on machines with the memory.
+TEST_WORKERS ?= 2
 test: install lint
-	$(VPY) -m pytest tests
+	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade, simplify; pyproject.toml): make test
 # runs it first, so CI does too

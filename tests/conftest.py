@@ -34,3 +34,16 @@ def rel_err(a, b) -> float:
 @pytest.fixture
 def fixtures_dir() -> pathlib.Path:
     return FIXTURES
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding `slow` tests run first, the longest first (`@pytest.mark.slow(seconds=N)`, default 20),
+    stable otherwise: `make test` hands whole files to its workers (pytest-xdist, `--dist loadfile`) in this
+    order, so the longest ones — the README walk, the multi-process runs — start at once instead of leaving
+    one worker busy at the end."""
+    seconds: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            seconds[item.fspath] = max(seconds.get(item.fspath, 0), mark.kwargs.get("seconds", 20))
+    items.sort(key=lambda item: -seconds.get(item.fspath, 0))

@@ -182,6 +182,7 @@ def _files(root):
     return out
 
 
+@pytest.mark.slow
 def test_damaged_shards_are_refused_early_and_made_again(table, tmp_path):
     """Two runs of the same precompute write the same bytes (a cache can be checked by checksums). A
     truncated, a missing and a record-count-mismatched shard are each refused when the cache is opened —

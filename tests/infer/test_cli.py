@@ -28,6 +28,7 @@ def _frames(path):
         return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_sizes_and_lengths(converted, tiny_vae, tmp_path):
     """(a) exact sizes and lengths: --image-size + a frame count (2 prompts, one batch), then a
     named resolution + aspect ratio with one frame (a png)."""

@@ -81,6 +81,7 @@ def jobs(run, tmp_path_factory):
         job.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["dp", "sp"])
 def test_two_processes_write_what_one_process_writes(jobs, mesh):
     tmp, started = jobs

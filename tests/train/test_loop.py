@@ -191,6 +191,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(reference_run, tmp_path):
     out_ref, _ = reference_run
     env = {**os.environ, "PYTHONPATH": REPO}

@@ -96,6 +96,7 @@ def _assert_one_line(r, needle, what):
     assert needle in lines[0], (what, lines[0])
 
 
+@pytest.mark.slow
 def test_bad_invocations_are_one_line_and_touch_nothing(workspace):
     run = workspace / "out" / "demo"
     before = _tree_digest(run)
@@ -218,6 +219,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
@@ -241,6 +243,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
     assert max(saved) == results[0]["steps"]
 
 
+@pytest.mark.slow
 def test_a_lost_process_ends_the_other_in_one_line(tmp_path, victim=1):
     """kill -9 one of two processes mid-run: the survivor exits with EXIT_PEER_LOST — no SIGABRT, no hang
     in the collective — with one line naming the lost process, the step and the newest intact checkpoint
@@ -304,6 +307,7 @@ def test_a_caption_at_the_token_limit_is_said_once(capsys):
     assert err.count("truncated") == 1 and "row 4" in err
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_is_the_same_on_every_process(tmp_path):
     """Only process 1's rows go bad; the loss is a global mean, its metrics replicated: both processes
     reject the same steps and stop at the same step, naming the same checkpoint."""

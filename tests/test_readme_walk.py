@@ -1,0 +1,258 @@
+"""The README walk (issue #23): every command of the README's bash blocks (and its Python example), run as
+a user types it, in one folder, each command's output the next one's input — on the demo config, a few
+steps long. A README command that stops working fails CI; so does a command the walk does not know
+(each one is walked or skipped with its reason in `WALK` below) and a `WALK` entry the README lost.
+
+What the walk changes in a command is written beside it, and is of three kinds only: the stage configs
+become `configs/demo.py` with a few steps (`TRAIN_FAST`: a CPU cannot run XL/2 at 240p), the README's
+example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded weights) become what the walk's
+earlier commands made, and sizes that a 32×32 synthetic set cannot meet (`--frames-min 51`) shrink.
+The inputs a user brings — a table of their own files (`raw.csv`), prompts, a reference image — are
+made from the synthetic set the README's own `data_tools.synthetic` command writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+
+# A stage config at a size a CPU runs in seconds: 2 steps, a checkpoint at every step (0, 1, 2).
+TRAIN_FAST = "--config.train.max_steps=2 --config.train.ckpt_every=1 --config.train.log_every=1"
+TRAIN_FAST_4 = TRAIN_FAST.replace("max_steps=2", "max_steps=4")  # a resume: two more steps
+STAGE_CONFIGS = {"configs/stage1.py": "configs/demo.py", "configs/lambda/stage1.py": "configs/demo.py",
+                 "configs/lambda/stage2.py": "configs/demo.py", "configs/lora_example.py": "configs/demo.py"}
+QUICK_START = {**STAGE_CONFIGS, "data/meta.csv": "meta.csv"}  # the table data_tools.meta wrote
+LAMBDA = {**STAGE_CONFIGS, "OpenVid1M.csv": "meta.csv"}
+
+
+@dataclasses.dataclass
+class Walk:
+    """Run the README command with these exact-substring `rewrites` (and `extra` arguments at its end);
+    it must exit 0 and, with `expect`, leave that path behind."""
+    rewrites: dict = dataclasses.field(default_factory=dict)
+    extra: str = ""
+    expect: str | None = None
+
+
+@dataclasses.dataclass
+class Skip:
+    why: str
+
+
+SKIP_CLUSTER = Skip("needs hosts reachable over ssh (tests/cluster runs these against a fake ssh)")
+# The walk's runs, in order of their numbers (outputs/NNN-demo): see WALK.
+R1, R2, R3, R4, R5, R6, R7, R8, R9 = (f"outputs/{i:03d}-demo" for i in range(1, 10))
+
+# (a substring that names one README command, what the walk does with it) — in the order walked.
+WALK: list[tuple[str, Walk | Skip]] = [
+    ("make demo", Skip("the demo itself: `make demo` (10 minutes of training), run by hand and in its own CI job")),
+    ("make test", Skip("runs this walk")),
+    # --- Data: the README's synthetic set is the walk's raw material (raw.csv: its paths and captions).
+    ("data_tools.synthetic --output data/synthetic", Walk(extra="--num-videos 24 --num-images 6 --no-progress",
+                                                          expect="data/synthetic/meta.csv")),
+    ("data_tools.meta --input raw.csv", Walk({"--num-workers 16": "--num-workers 2"}, expect="meta.csv")),
+    ("data_tools.shard --input meta.csv", Walk({"--num-shards 64": "--num-shards 4"}, expect="shards")),
+    ("data_tools.filter --input meta.csv", Walk({"--frames-min 51 --height-min 240": "--frames-min 1 --height-min 32"},
+                                                expect="meta_f.csv")),
+    ("data_tools.dedup --input meta_f.csv", Walk(expect="meta_u.csv")),
+    ("data_tools.split --input meta_u.csv --output splits/", Walk(
+        {"train=0.95,val=0.05": "train=0.8,val=0.2"}, expect="splits/val.csv")),
+    ("data_tools.split --input meta_u.csv --output shards/", Walk(
+        {"--output shards/ --num-shards 64": "--output pshards/ --num-shards 4"}, expect="pshards")),
+    ("data_tools.merge", Walk({"a.csv b.parquet 'more/meta_*.csv'":
+                               "splits/train.csv splits/val.csv 'shards/meta_*.csv'"}, expect="all.parquet")),
+    ("data_tools.stats --input splits/train.csv", Walk(STAGE_CONFIGS, expect="buckets.png")),
+    ("data_tools.filter --input OpenVid1M.csv", Walk({"OpenVid1M.csv": "meta.csv", "--frames-min 51": "--frames-min 1"},
+                                                     expect="data/train.csv")),
+    ("data_tools.stats --input data/train.csv", Walk(STAGE_CONFIGS)),
+    # --- Training (README: the quick start, then the Lambda recipe with its example names).
+    ("--data-path data/meta.csv\n", Walk(QUICK_START, TRAIN_FAST, R1)),
+    ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(QUICK_START, TRAIN_FAST, R2)),
+    ("--data-path data/meta.csv --dry-run", Walk(QUICK_START)),
+    ("--data-path data/meta.csv --load 656", Walk({**QUICK_START, "--load 656": "--load 1"}, TRAIN_FAST_4,
+                                                  R1 + "/checkpoints/4")),
+    # --ckpt-path: the README's PixArt-Sigma weights (a download) → the first run's checkpoints.
+    ("lambda/stage1.py --data-path OpenVid1M.csv", Walk(
+        {**LAMBDA, "pretrained_models/PixArt-Sigma-XL-2-2K-MS.pth": R1 + "/checkpoints"}, TRAIN_FAST, R3)),
+    ("--ckpt-path outputs_speedrun/001-lambda-stage1/checkpoints", Walk(
+        {**LAMBDA, "outputs_speedrun/001-lambda-stage1": R3}, TRAIN_FAST, R4)),
+    ("--data-path OpenVid1M.csv --load 2", Walk({**LAMBDA, "--load 2": "--load 4"}, TRAIN_FAST_4,
+                                               R4 + "/checkpoints/4")),
+    ("hosts.txt preflight", SKIP_CLUSTER),
+    ("launch --run outputs/s1", SKIP_CLUSTER),
+    ("hosts.txt status", SKIP_CLUSTER),
+    ("launch --run outputs/s2", SKIP_CLUSTER),
+    ("python -m jaxsora.runs", Walk()),
+    ("average outputs/s7/checkpoints", Walk({"outputs/s7/checkpoints --steps 4000,4500,5000":
+                                             R3 + "/checkpoints --steps 0,1,2", "outputs/s7-avg": "outputs/avg7"},
+                                            expect="outputs/avg7")),
+    ("to-torch outputs/s7-avg", Walk({"outputs/s7-avg": "outputs/avg7"}, expect="stdit3_s7.safetensors")),
+    ("sample --ckpt outputs/s7-avg", Walk({"outputs/s7-avg": "outputs/avg7"}, "--num-sampling-steps 4",
+                                          expect="samples/s7")),
+    ("average outputs/012-stage7/checkpoints", Walk({"outputs/012-stage7/checkpoints --steps 400,500,600":
+                                                     R1 + "/checkpoints --steps 2,3,4"}, expect="outputs/avg")),
+    ("ckpt verify outputs/avg", Walk()),
+    # LoRA on the Open-Sora state dict the walk exported above (the README: Open-Sora's released weights).
+    ("configs/lora_example.py", Walk({**STAGE_CONFIGS, "clips.csv": "splits/train.csv",
+                                      "pretrained_models/OpenSora-STDiT-v3/model.safetensors":
+                                      "stdit3_s7.safetensors"}, TRAIN_FAST, R5)),
+    ("lora merge", Walk({"outputs/013-lora": R5}, expect="merged")),
+    ("lora export-adapters", Walk({"outputs/013-lora": R5}, expect="adapters/adapter_config.json")),
+    # A CPU reports no memory limit: the search needs one (the README's is the device's own).
+    ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 2 --no-progress"},
+                       "--config.train.device_memory_gib=0.3", expect="bs.json")),
+    ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_FAST, R6)),
+    ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
+                                              "heldout.csv": "splits/val.csv", "eval.every=1000": "eval.every=1"},
+                                             TRAIN_FAST, R7 + "/eval.jsonl")),
+    ("to-torch outputs/stage1/checkpoints", Walk({"outputs/stage1": R7, "[--ema] [--dtype bf16]": "--ema --dtype bf16"},
+                                                 expect="stdit3.pth")),
+    ("from-torch OpenSora-STDiT-v3.safetensors", Walk({"OpenSora-STDiT-v3.safetensors": "stdit3_s7.safetensors",
+                                                       "STDiT3-XL/2": "demo"}, expect="ckpt")),
+    ("from-torch PixArt-Sigma-XL-2-2K-MS.pth", Walk({"PixArt-Sigma-XL-2-2K-MS.pth ckpt/": "stdit3.pth ckpt_pth/",
+                                                     "STDiT3-XL/2": "demo"}, expect="ckpt_pth")),
+    # --- Sampling (the README's outputs/demo is `make demo`'s run: here the first run).
+    ('outputs/demo --prompt "a red circle moving right" --output samples/', Walk(
+        {"outputs/demo": R1}, "--num-sampling-steps 4", expect="samples")),
+    ("--image-size 32 32 --num-frames 16", Walk({"outputs/demo": R1, "--step 400": "--step 3"},
+                                                "--num-sampling-steps 4")),
+    ("from-torch OpenSora-STDiT-v3/model.safetensors", Walk({"OpenSora-STDiT-v3/model.safetensors ckpt/":
+                                                             "stdit3_s7.safetensors ckpt_st/", "STDiT3-XL/2": "demo"},
+                                                            expect="ckpt_st")),
+    ("--vae pretrained_models/OpenSora-VAE-v1.2", Skip("the released VAE and T5-XXL weights at 720p: downloads and "
+                                                       "a GPU (tests/infer holds the same options on tiny models)")),
+    ('--reference-path first.png', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
+    ('--reference-path clip.mp4', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4 --num-frames 16"})),
+    ('"reference_path": "a.png;b.png"', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
+    ('--loop 3 --condition-frame-length 5', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
+    ("--preset low4s", Skip("a server runs until stopped, at 360p × 102 frames; its `--once` form is walked below")),
+    ("--preset high4s", Skip("a server runs until stopped, at 720p; its `--once` form is walked below")),
+    ("--preset demo --presets-file demo_preset.json", Walk({"outputs/demo": R2}, expect=R2 + "/samples/demo")),
+    ("data_tools.judge samples/", Walk(expect="samples.png")),
+    ("precompute --input meta.csv --text-encoder", Walk(STAGE_CONFIGS, "--no-progress", expect="t5cache")),
+    ("--config.data.text_cache=t5cache/", Walk(STAGE_CONFIGS, TRAIN_FAST, R8)),
+    ("precompute --latents", Walk({**STAGE_CONFIGS,
+                                   "--shard-size 256 --batch-size 16": "--shard-size 8 --batch-size 4"},
+                                  "--no-progress", expect="feats/manifest.json")),
+    ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_FAST, R9)),
+    ("bench/", Skip("benchmarks: timed by hand on a quiet machine (README, Benchmarks), never in CI")),
+]
+# The README's Python example (the sampling API), run with the walk's first run as outputs/demo.
+PYTHON_EXAMPLE_REWRITES = {'"outputs/demo"': f'"{R1}"', "num_sampling_steps=30": "num_sampling_steps=4"}
+
+
+def readme_commands() -> list[str]:
+    """Each command of the README's bash blocks: continuation lines joined, comments and blank lines dropped,
+    ending in a newline (so a key may name a command's end)."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in re.sub(r"\\\n\s*", "", block).splitlines():
+            line = line.split("  #")[0].rstrip()
+            if line and not line.lstrip().startswith("#"):
+                out.append(line.strip() + "\n")
+    return out
+
+
+def python_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) == 1, "the walk knows one Python example in the README"
+    return blocks[0]
+
+
+def _claims() -> list[tuple[str, Walk | Skip, str]]:
+    """(key, action, the README command it names), in walk order; every README command claimed once."""
+    commands = readme_commands()
+    claimed, problems = [], []
+    for key, action in WALK:
+        hits = [c for c in commands if key in c]
+        if isinstance(action, Skip) and hits:  # one reason may skip several commands (the benchmarks)
+            claimed += [(key, action, c) for c in hits]
+        elif len(hits) != 1:
+            problems.append(f"walk key {key!r} names {len(hits)} README commands: {hits}")
+        else:
+            claimed.append((key, action, hits[0]))
+    named = [c for _, _, c in claimed]
+    problems += [f"a README command claimed twice: {c.strip()}" for c in set(named) if named.count(c) > 1]
+    problems += [f"a README command the walk does not know: {c.strip()}" for c in commands if c not in named]
+    assert not problems, "\n".join(problems)
+    return claimed
+
+
+def test_the_walk_knows_every_readme_command():
+    _claims()
+
+
+def _as_walked(command: str, walk: Walk) -> list[str]:
+    for old, new in walk.rewrites.items():
+        if old in command:
+            command = command.replace(old, new)
+        elif old not in STAGE_CONFIGS:  # the shared config map names configs a command may not use
+            raise AssertionError(f"rewrite {old!r} not in the README command {command.strip()!r}")
+    args = shlex.split(command) + shlex.split(walk.extra)
+    assert args[0] == "python", command
+    return [sys.executable, *args[1:]]
+
+
+def _user_inputs(work: pathlib.Path) -> None:
+    """What a user brings, made from the README's synthetic set once it exists: a table of their own
+    files with only paths, captions and the scores `filter` reads; prompts; a reference image and clip;
+    the presets file of the README's server example."""
+    meta = pd.read_csv(work / "data/synthetic/meta.csv")
+    raw = pd.DataFrame(dict(path="data/synthetic/" + meta["path"], text=meta["text"], aes=6.0, flow=1.0,
+                            ocr=0.0, match=0.5))
+    raw.to_csv(work / "raw.csv", index=False)
+    prompts = (work / "data/synthetic/prompts.txt").read_text().splitlines()[:2]
+    (work / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    images = meta[meta["num_frames"] <= 1]["path"].tolist()
+    clips = meta[meta["num_frames"] > 1]["path"].tolist()
+    for name, src in (("first.png", images[0]), ("a.png", images[0]), ("b.png", images[1]), ("clip.mp4", clips[0])):
+        shutil.copy(work / "data/synthetic" / src, work / name)
+    preset = re.search(r"`(\{\"demo\": \{.*?\}\})`", " ".join(README.read_text().split()))
+    assert preset, "the README's demo preset example"
+    (work / "demo_preset.json").write_text(json.dumps(json.loads(preset.group(1))))
+
+
+@pytest.mark.slow(seconds=360)
+def test_readme_walk(tmp_path):
+    work = tmp_path
+    (work / "configs").symlink_to(REPO / "configs")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # a user's CPU: one device
+    log = []
+    for key, action, command in _claims():
+        if isinstance(action, Skip):
+            continue
+        args = _as_walked(command, action)
+        t0 = time.monotonic()
+        r = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        log.append(f"$ {shlex.join(args[1:])}  → {r.returncode} ({time.monotonic() - t0:.1f} s)")
+        assert r.returncode == 0, "\n".join(log) + f"\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}"
+        if action.expect:
+            assert (work / action.expect).exists(), "\n".join(log) + f"\n{action.expect} was not written"
+        if key.startswith("data_tools.synthetic"):
+            _user_inputs(work)
+    code = python_example()
+    for old, new in PYTHON_EXAMPLE_REWRITES.items():
+        assert old in code, old
+        code = code.replace(old, new)
+    r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-5000:]
+    print("\n".join(log))
+    # The runs the walk made are the ones it named, and each says so in the runs table.
+    runs = subprocess.run([sys.executable, "-m", "jaxsora.runs"], cwd=work, env=env, capture_output=True, text=True)
+    for run in (R1, R2, R3, R4, R5, R6, R7, R8, R9):
+        assert (work / run / "checkpoints").is_dir(), run
+        assert pathlib.Path(run).name.split("-")[0] in runs.stdout, runs.stdout
