@@ -1,7 +1,8 @@
 """The README walk (issue #23): every command of the README's bash blocks (and its Python example), run as
-a user types it, in one folder, each command's output the next one's input — on the demo config, a few
-steps long. A README command that stops working fails CI; so does a command the walk does not know
-(each one is walked or skipped with its reason in `WALK` below) and a `WALK` entry the README lost.
+a user types it, each command's output the next one's input — on the demo config, a few steps long, in two
+chains of a folder each that start from the same data commands (`walk`). A README command that stops
+working fails CI; so does a command the walk does not know (each one is walked or skipped with its reason
+in `WALK` below) and a `WALK` entry the README lost.
 
 What the walk changes in a command is written beside it, and is of three kinds only: the stage configs
 become `configs/demo.py` with a few steps (`TRAIN_FAST`: a CPU cannot run XL/2 at 240p), the README's
@@ -45,6 +46,7 @@ class Walk:
     rewrites: dict = dataclasses.field(default_factory=dict)
     extra: str = ""
     expect: str | None = None
+    chain: str = "runs"  # "data" (both chains start with it), "runs" or "tools"
 
 
 @dataclasses.dataclass
@@ -53,8 +55,11 @@ class Skip:
 
 
 SKIP_CLUSTER = Skip("needs hosts reachable over ssh (tests/cluster runs these against a fake ssh)")
-# The walk's runs, in order of their numbers (outputs/NNN-demo): see WALK.
-R1, R2, R3, R4, R5, R6, R7, R8, R9 = (f"outputs/{i:03d}-demo" for i in range(1, 10))
+# The walk is two chains, each in a folder of its own after the same data commands (so that `make test`'s
+# two workers can run them side by side): "runs" (train, resume, average, convert, sample, serve) and
+# "tools" (the batch search, eval, LoRA, text and feature caches). Their runs, in order of their numbers:
+R1, R2, R3, R4 = (f"outputs/{i:03d}-demo" for i in range(1, 5))  # chain "runs"
+T1, T2, T3, T4, T5 = (f"outputs/{i:03d}-demo" for i in range(1, 6))  # chain "tools"
 
 # (a substring that names one README command, what the walk does with it) — in the order walked.
 WALK: list[tuple[str, Walk | Skip]] = [
@@ -62,22 +67,22 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("make test", Skip("runs this walk")),
     # --- Data: the README's synthetic set is the walk's raw material (raw.csv: its paths and captions).
     ("data_tools.synthetic --output data/synthetic", Walk(extra="--num-videos 24 --num-images 6 --no-progress",
-                                                          expect="data/synthetic/meta.csv")),
-    ("data_tools.meta --input raw.csv", Walk({"--num-workers 16": "--num-workers 2"}, expect="meta.csv")),
-    ("data_tools.shard --input meta.csv", Walk({"--num-shards 64": "--num-shards 4"}, expect="shards")),
+                                                          expect="data/synthetic/meta.csv", chain="data")),
+    ("data_tools.meta --input raw.csv", Walk({"--num-workers 16": "--num-workers 2"}, expect="meta.csv", chain="data")),
+    ("data_tools.shard --input meta.csv", Walk({"--num-shards 64": "--num-shards 4"}, expect="shards", chain="data")),
     ("data_tools.filter --input meta.csv", Walk({"--frames-min 51 --height-min 240": "--frames-min 1 --height-min 32"},
-                                                expect="meta_f.csv")),
-    ("data_tools.dedup --input meta_f.csv", Walk(expect="meta_u.csv")),
+                                                expect="meta_f.csv", chain="data")),
+    ("data_tools.dedup --input meta_f.csv", Walk(expect="meta_u.csv", chain="data")),
     ("data_tools.split --input meta_u.csv --output splits/", Walk(
-        {"train=0.95,val=0.05": "train=0.8,val=0.2"}, expect="splits/val.csv")),
+        {"train=0.95,val=0.05": "train=0.8,val=0.2"}, expect="splits/val.csv", chain="data")),
     ("data_tools.split --input meta_u.csv --output shards/", Walk(
-        {"--output shards/ --num-shards 64": "--output pshards/ --num-shards 4"}, expect="pshards")),
-    ("data_tools.merge", Walk({"a.csv b.parquet 'more/meta_*.csv'":
-                               "splits/train.csv splits/val.csv 'shards/meta_*.csv'"}, expect="all.parquet")),
-    ("data_tools.stats --input splits/train.csv", Walk(STAGE_CONFIGS, expect="buckets.png")),
+        {"--output shards/ --num-shards 64": "--output pshards/ --num-shards 4"}, expect="pshards", chain="data")),
+    ("data_tools.merge", Walk({"a.csv b.parquet": "splits/train.csv splits/val.csv",
+                               "more/meta_*.csv": "shards/meta_*.csv"}, expect="all.parquet", chain="data")),
+    ("data_tools.stats --input splits/train.csv", Walk(STAGE_CONFIGS, expect="buckets.png", chain="data")),
     ("data_tools.filter --input OpenVid1M.csv", Walk({"OpenVid1M.csv": "meta.csv", "--frames-min 51": "--frames-min 1"},
-                                                     expect="data/train.csv")),
-    ("data_tools.stats --input data/train.csv", Walk(STAGE_CONFIGS)),
+                                                     expect="data/train.csv", chain="data")),
+    ("data_tools.stats --input data/train.csv", Walk(STAGE_CONFIGS, chain="data")),
     # --- Training (README: the quick start, then the Lambda recipe with its example names).
     ("--data-path data/meta.csv\n", Walk(QUICK_START, TRAIN_FAST, R1)),
     ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(QUICK_START, TRAIN_FAST, R2)),
@@ -105,25 +110,8 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("average outputs/012-stage7/checkpoints", Walk({"outputs/012-stage7/checkpoints --steps 400,500,600":
                                                      R1 + "/checkpoints --steps 2,3,4"}, expect="outputs/avg")),
     ("ckpt verify outputs/avg", Walk()),
-    # LoRA on the Open-Sora state dict the walk exported above (the README: Open-Sora's released weights).
-    ("configs/lora_example.py", Walk({**STAGE_CONFIGS, "clips.csv": "splits/train.csv",
-                                      "pretrained_models/OpenSora-STDiT-v3/model.safetensors":
-                                      "stdit3_s7.safetensors"}, TRAIN_FAST, R5)),
-    ("lora merge", Walk({"outputs/013-lora": R5}, expect="merged")),
-    ("lora export-adapters", Walk({"outputs/013-lora": R5}, expect="adapters/adapter_config.json")),
-    # A CPU reports no memory limit: the search needs one (the README's is the device's own).
-    ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 2 --no-progress"},
-                       "--config.train.device_memory_gib=0.3", expect="bs.json")),
-    ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_FAST, R6)),
-    ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
-                                              "heldout.csv": "splits/val.csv", "eval.every=1000": "eval.every=1"},
-                                             TRAIN_FAST, R7 + "/eval.jsonl")),
-    ("to-torch outputs/stage1/checkpoints", Walk({"outputs/stage1": R7, "[--ema] [--dtype bf16]": "--ema --dtype bf16"},
-                                                 expect="stdit3.pth")),
     ("from-torch OpenSora-STDiT-v3.safetensors", Walk({"OpenSora-STDiT-v3.safetensors": "stdit3_s7.safetensors",
                                                        "STDiT3-XL/2": "demo"}, expect="ckpt")),
-    ("from-torch PixArt-Sigma-XL-2-2K-MS.pth", Walk({"PixArt-Sigma-XL-2-2K-MS.pth ckpt/": "stdit3.pth ckpt_pth/",
-                                                     "STDiT3-XL/2": "demo"}, expect="ckpt_pth")),
     # --- Sampling (the README's outputs/demo is `make demo`'s run: here the first run).
     ('outputs/demo --prompt "a red circle moving right" --output samples/', Walk(
         {"outputs/demo": R1}, "--num-sampling-steps 4", expect="samples")),
@@ -142,12 +130,31 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("--preset high4s", Skip("a server runs until stopped, at 720p; its `--once` form is walked below")),
     ("--preset demo --presets-file demo_preset.json", Walk({"outputs/demo": R2}, expect=R2 + "/samples/demo")),
     ("data_tools.judge samples/", Walk(expect="samples.png")),
-    ("precompute --input meta.csv --text-encoder", Walk(STAGE_CONFIGS, "--no-progress", expect="t5cache")),
-    ("--config.data.text_cache=t5cache/", Walk(STAGE_CONFIGS, TRAIN_FAST, R8)),
+    # --- The tools chain.
+    # A CPU reports no memory limit: the search needs one (the README's is the device's own).
+    ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 2 --no-progress"},
+                       "--config.train.device_memory_gib=0.3", expect="bs.json", chain="tools")),
+    ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_FAST, T1, chain="tools")),
+    ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
+                                              "heldout.csv": "splits/val.csv", "eval.every=1000": "eval.every=1"},
+                                             TRAIN_FAST, T2 + "/eval.jsonl", chain="tools")),
+    ("to-torch outputs/stage1/checkpoints", Walk({"outputs/stage1": T2, "[--ema] [--dtype bf16]": "--ema --dtype bf16"},
+                                                 expect="stdit3.pth", chain="tools")),
+    ("from-torch PixArt-Sigma-XL-2-2K-MS.pth", Walk({"PixArt-Sigma-XL-2-2K-MS.pth ckpt/": "stdit3.pth ckpt_pth/",
+                                                     "STDiT3-XL/2": "demo"}, expect="ckpt_pth", chain="tools")),
+    # LoRA on the Open-Sora state dict exported above (the README: Open-Sora's released weights).
+    ("configs/lora_example.py", Walk({**STAGE_CONFIGS, "clips.csv": "splits/train.csv",
+                                      "pretrained_models/OpenSora-STDiT-v3/model.safetensors": "stdit3.pth"},
+                                     TRAIN_FAST, T3, chain="tools")),
+    ("lora merge", Walk({"outputs/013-lora": T3}, expect="merged", chain="tools")),
+    ("lora export-adapters", Walk({"outputs/013-lora": T3}, expect="adapters/adapter_config.json", chain="tools")),
+    ("precompute --input meta.csv --text-encoder", Walk(STAGE_CONFIGS, "--no-progress", expect="t5cache",
+                                                        chain="tools")),
+    ("--config.data.text_cache=t5cache/", Walk(STAGE_CONFIGS, TRAIN_FAST, T4, chain="tools")),
     ("precompute --latents", Walk({**STAGE_CONFIGS,
                                    "--shard-size 256 --batch-size 16": "--shard-size 8 --batch-size 4"},
-                                  "--no-progress", expect="feats/manifest.json")),
-    ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_FAST, R9)),
+                                  "--no-progress", expect="feats/manifest.json", chain="tools")),
+    ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_FAST, T5, chain="tools")),
     ("bench/", Skip("benchmarks: timed by hand on a quiet machine (README, Benchmarks), never in CI")),
 ]
 # The README's Python example (the sampling API), run with the walk's first run as outputs/demo.
@@ -225,15 +232,15 @@ def _user_inputs(work: pathlib.Path) -> None:
     (work / "demo_preset.json").write_text(json.dumps(json.loads(preset.group(1))))
 
 
-@pytest.mark.slow(seconds=360)
-def test_readme_walk(tmp_path):
-    work = tmp_path
+def walk(chain: str, work: pathlib.Path) -> list[str]:
+    """Run the data commands, then `chain`'s, in WALK order in `work`; returns the log (command, exit code,
+    seconds)."""
     (work / "configs").symlink_to(REPO / "configs")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # a user's CPU: one device
     log = []
     for key, action, command in _claims():
-        if isinstance(action, Skip):
+        if isinstance(action, Skip) or action.chain not in ("data", chain):
             continue
         args = _as_walked(command, action)
         t0 = time.monotonic()
@@ -244,15 +251,27 @@ def test_readme_walk(tmp_path):
             assert (work / action.expect).exists(), "\n".join(log) + f"\n{action.expect} was not written"
         if key.startswith("data_tools.synthetic"):
             _user_inputs(work)
-    code = python_example()
-    for old, new in PYTHON_EXAMPLE_REWRITES.items():
-        assert old in code, old
-        code = code.replace(old, new)
-    r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-5000:]
-    print("\n".join(log))
-    # The runs the walk made are the ones it named, and each says so in the runs table.
+    if chain == "runs":  # the README's Python example samples the first run
+        code = python_example()
+        for old, new in PYTHON_EXAMPLE_REWRITES.items():
+            assert old in code, old
+            code = code.replace(old, new)
+        started = time.time()
+        r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-5000:]
+        assert any(v.stat().st_mtime >= started for v in (work / "samples").glob("*.mp4")), "the example wrote no video"
+    # The runs the chain made are the ones it named, and `python -m jaxsora.runs` lists each.
     runs = subprocess.run([sys.executable, "-m", "jaxsora.runs"], cwd=work, env=env, capture_output=True, text=True)
-    for run in (R1, R2, R3, R4, R5, R6, R7, R8, R9):
+    named = {"/".join(a.expect.split("/")[:2]) for _, a in WALK  # outputs/NNN-demo[/...] → outputs/NNN-demo
+             if isinstance(a, Walk) and a.chain == chain and a.expect and a.expect.startswith("outputs/0")}
+    assert named, chain
+    for run in sorted(named):
         assert (work / run / "checkpoints").is_dir(), run
         assert pathlib.Path(run).name.split("-")[0] in runs.stdout, runs.stdout
+    return log
+
+
+@pytest.mark.slow(seconds=240)
+def test_readme_walk_runs(tmp_path):
+    print("\n".join(walk("runs", tmp_path)))
