@@ -8,6 +8,7 @@ from jaxsora.cluster.clock import skew_from_samples
 from jaxsora.cluster.preflight import _port
 from jaxsora.cluster.remote import parse_date
 from tests.cluster.conftest import REAL_DATE
+from tests.ports import free_port
 
 FAKE_DATE = """#!/bin/sh
 # fake date: the real clock + {offset}s for `date +%s.%N`
@@ -34,16 +35,11 @@ def test_port_verdicts():
     assert "firewall" in _port({"connect": ["timeout"]}, False, "h:1")[0]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 def test_preflight(cluster, capsys):
     hosts = cluster.hosts("h1", "h2", "h3", nvidia=False)
     cluster.tool("h3", "date", FAKE_DATE.format(offset=2.0, real=REAL_DATE))
-    port = _free_port()
+    port = free_port()
     args = ("preflight", "--coordinator", "127.0.0.1", "--port", str(port), "--python", sys.executable,
             "--outputs", "outputs", "--min-free-gb", "0")
     rc = cluster.cli(hosts, *args)

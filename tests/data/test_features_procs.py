@@ -22,7 +22,7 @@ import pytest
 from jaxsora.data.features import MANIFEST, PROGRESS, FeatureCacheError, FeatureStore, shard_name
 from jaxsora.models.vae import IdentityVAE
 from tests.data.test_features import table  # noqa: F401  (module fixture: 10 clips and 6 images, 2 buckets)
-from tests.data.test_loader import _free_port
+from tests.ports import free_port
 from tests.train.common import REPO
 
 SHARD_SIZE = 4  # 10 clips + 6 images → 3 + 2 = 5 shards: process 0 encodes shards 0, 2, 4 and process 1 shards 1, 3
@@ -67,7 +67,7 @@ def precompute_args(table_path, out, *extra) -> list[str]:
 def two_processes(args, log_dir, stop_after=None) -> list[subprocess.CompletedProcess]:
     """Run the precompute command as 2 jax.distributed processes; their exit codes and outputs (also
     in `log_dir`/process{i}.log). A process still running after TIMEOUT fails the test with both outputs."""
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
            "JAX_NUM_PROCESSES": "2", "JAXSORA_INIT_TIMEOUT": "60"}  # a process that never comes fails in a minute
     cmd = [sys.executable, RUNNER, *(["--stop-after", str(stop_after)] if stop_after else []), *args]
     logs = [open(os.path.join(log_dir, f"process{i}.log"), "w+") for i in range(2)]

@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from jaxsora.data.loader import VideoLoader
 from jaxsora.data.plan import DataStateMismatch
 from jaxsora.data.tables import TableIndex, read_table
 from jaxsora.data.video import to_model_range
+from tests.ports import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -189,17 +189,12 @@ def test_table_errors_name_the_problem(tmp_path):
         _loader(tmp_path / "missing.csv")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_jax_distributed_hosts_assemble_the_one_host_batches(dataset, tmp_path):
     """Two processes (jax.distributed on 127.0.0.1, 2 CPU devices each; one decodes in grain worker
     processes) agree on the plan, each decodes only its half, and the global arrays they assemble
     equal the batches one process reads alone."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(REPO, "tests", "data", "run_host.py"), str(dataset / "meta.csv"),
          str(tmp_path / f"host{i}.npz"), "--workers", str(i), "--batches", "3"],

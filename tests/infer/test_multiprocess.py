@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.train.test_loop import _free_port
+from tests.ports import free_port
 
 PROMPTS = ["wave 0.50", "wave 1.50", "wave 2.50"]  # 3 prompts in batches of 2: the second batch is padded
 RUNNER = os.path.join(os.path.dirname(__file__), "run_sample.py")  # python -m jaxsora.sample, + the frames
@@ -40,7 +40,7 @@ class Job:
         if processes == 1:
             self.procs = [_start(args(0), _env(2, JAX_NUM_PROCESSES="1"))]
         else:
-            multi = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES=str(processes))
+            multi = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(processes))
             self.procs = [_start(args(i), _env(1, **multi, JAX_PROCESS_ID=str(i))) for i in range(processes)]
         self._results = None
 

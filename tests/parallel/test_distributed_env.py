@@ -3,7 +3,6 @@ what jax's own detection gives under a fake SLURM job (and the two places jaxsor
 errors for settings that do not fit, the single-process path, and a real two-process start on 127.0.0.1
 with conflicting SLURM variables around it."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from jaxsora.errors import EXIT_USER_ERROR, UserError
 from jaxsora.parallel import distributed
 from jaxsora.parallel.distributed import DistributedError, first_slurm_host, plan, resolve
 from tests.conftest import REPO
+from tests.ports import free_port
 
 MANAGED = ("SLURM_", "OMPI_", "PMI_", "KUBERNETES_", "JOB_COMPLETION_INDEX", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
            "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "JAXSORA_INIT_TIMEOUT", "TPU_")
@@ -224,9 +224,7 @@ print("PROC", jax.process_index(), jax.process_count(), jax.device_count(), flus
 def test_two_processes_start_from_jax_variables_despite_slurm(env, tmp_path):
     """Two real processes on 127.0.0.1; SLURM variables pointing elsewhere (4 tasks, an unknown host)
     are ignored because the JAX_* variables are all set."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base = {**os.environ, **_slurm(ntasks=4, nodes=4, nodelist="nowhere[1-4]"), "PYTHONPATH": str(REPO),
             "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAXSORA_INIT_TIMEOUT": "120"}

@@ -479,9 +479,9 @@ def test_training_resumes_past_a_corrupt_checkpoint(tmp_path, capfd):
 # two processes: process 0 writes the record, every process takes the same fallback
 # ----------------------------------------------------------------------------------------------
 def _two_processes(args):
-    from tests.train.test_loop import _free_port
+    from tests.ports import free_port
 
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
            "JAX_NUM_PROCESSES": "2"}
     script = os.path.join(os.path.dirname(__file__), "run_ckpt_procs.py")
     procs = [subprocess.Popen([sys.executable, script, *args], env={**env, "JAX_PROCESS_ID": str(i)},

@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
+from tests.ports import free_port
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import DataStateMismatch, FakeLoader
 
@@ -185,17 +185,12 @@ def test_restore_on_another_mesh(reference_run, tmp_path):
              RunOptions(load=str(out_ref / "ref")))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process(reference_run, tmp_path):
     out_ref, _ = reference_run
     env = {**os.environ, "PYTHONPATH": REPO}
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path / "multi"), "2", "--devices", "1",
                                "--batch", str(GLOBAL_BATCH)],
                               env={**env, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",

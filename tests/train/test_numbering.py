@@ -4,7 +4,6 @@ and refuses one that already holds a run; numbers are claimed race-free by threa
 in a multi-process run process 0 claims the number for all."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from jaxsora.errors import UserError
 from jaxsora.runs import CLAIMS_DIR, new_run_dir, run_number
 from jaxsora.train.run.logging import run_name
 from jaxsora.train.run.loop import RunOptions, train
+from tests.ports import free_port
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 
@@ -196,11 +196,6 @@ def test_processes_allocating_at_once_get_different_numbers(tmp_path):
     assert sorted(run_number(p) for p in got) == list(range(1, 21))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_process_0_numbers_the_run_of_every_process(tmp_path):
     out = tmp_path / "outputs"
@@ -209,13 +204,14 @@ def test_process_0_numbers_the_run_of_every_process(tmp_path):
             "from ml_collections import ConfigDict\nfrom jaxsora.train.run.loop import _new_run_folder\n"
             "cfg = ConfigDict(dict(train=dict(outputs=sys.argv[1], experiment='multi')))\n"
             "print('FOLDER', _new_run_folder(cfg), flush=True)\n")
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", code, str(out)],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                                    "JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    assert all("FOLDER " in o for o in outs), f"a process exited 0 without its answer:\n{outs[0]}\n---\n{outs[1]}"
     folders = [o.split("FOLDER ", 1)[1].split()[0] for o in outs]
     assert folders == [str(out / "042-multi")] * 2
     assert _numbered(out) == ["041-earlier", "042-multi"]  # one folder, made by process 0

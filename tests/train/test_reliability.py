@@ -16,6 +16,7 @@ import pytest
 
 from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 from jaxsora.train.run.supervise import RunLock, RunLockedError, Watchdog
+from tests.ports import free_port
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
 
@@ -213,15 +214,10 @@ def test_blown_up_update_is_rejected(tmp_path):
     assert np.isfinite(lines[-1]["loss"]) and lines[-1]["weight_norm"] < 1e3
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
                                "--ckpt-every", "1000"],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
@@ -251,7 +247,7 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path, victim=1):
     still ends the others with jax's own immediate abort: see jaxsora.parallel.peers.)"""
     from jaxsora.errors import EXIT_PEER_LOST
 
-    port = _free_port()
+    port = free_port()
     env = {**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAXSORA_PEER_TIMEOUT": "8"}
     procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
                                "--ckpt-every", "4"], env={**env, "JAX_PROCESS_ID": str(i)},
@@ -311,7 +307,7 @@ def test_a_caption_at_the_token_limit_is_said_once(capsys):
 def test_nonfinite_stop_is_the_same_on_every_process(tmp_path):
     """Only process 1's rows go bad; the loss is a global mean, its metrics replicated: both processes
     reject the same steps and stop at the same step, naming the same checkpoint."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "50", "--devices", "1", "--batch", "2",
                                "--ckpt-every", "2", "--nan-from", "3", "--nan-process", "1"],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
