@@ -3,7 +3,7 @@ memory of jaxsora's real jitted step (`jaxsora.train.step.train_step.TrainStep` 
 devices); with `--reference`, the real Open-Sora PyTorch step at the same shape, side by side.
 
     python bench/step.py                                         # the listed shapes: tiny, realistic
-    python bench/step.py --shapes tiny,realistic --reference /tmp/refenv/bin/python
+    python bench/step.py --shapes realistic,wide,240p --reference /tmp/refenv/bin/python
     python bench/step.py --shapes h100                           # XL/2 240p×51 (remat) and 3B/2, bf16
     python bench/step.py --model STDiT3-XL/2 --latent 15x30x53 --batch 4 --dtype bfloat16 --remat full
 
@@ -11,6 +11,11 @@ Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
   tiny       the `tiny` preset (the parity-test model): depth 2, hidden 64, caption 8×32, 4×16×16, batch 2
   realistic  depth 4, hidden 384, 6 heads, the real caption (300 tokens × 4096), 144p × 17 frames
              (5×18×32 latents → 720 tokens per sample), batch 2 — where the step's real costs show
+  wide       depth 2, XL/2's width (hidden 1152, 16 heads), the real caption, 144p × 17 frames, batch 1
+  240p       depth 2, hidden 768, 12 heads, the real caption, 240p × 17 frames (5×30×53 latents → 2025
+             tokens per sample), batch 1 — toward stage 1's token counts
+The realistic shapes' captions hold 40–150 valid tokens of the 300 (OpenVid-1M-style captions, as
+bench/sample.py); the same lengths feed both implementations.
   h100       STDiT3-XL/2 at 240p × 51 frames (15×30×53), batch 4, bf16, remat full; STDiT3-3B/2 at
              144p × 51 frames (15×18×32), batch 4, bf16, remat full
 
@@ -66,6 +71,10 @@ class Shape:
 SHAPES = {
     "tiny": [Shape("tiny", "tiny", (4, 16, 16), 2)],
     "realistic": [Shape("realistic", "STDiT3-XL/2", (5, 18, 32), 2, overrides=REALISTIC)],
+    "wide": [Shape("wide", "STDiT3-XL/2", (5, 18, 32), 1, overrides=dict(REALISTIC, depth=2, hidden_size=1152,
+                                                                         num_heads=16))],
+    "240p": [Shape("240p", "STDiT3-XL/2", (5, 30, 53), 1, overrides=dict(REALISTIC, depth=2, hidden_size=768,
+                                                                         num_heads=12))],
     "h100": [Shape("XL/2 240p×51", "STDiT3-XL/2", (15, 30, 53), 4, "bfloat16", "full"),
              Shape("3B/2 144p×51", "STDiT3-3B/2", (15, 18, 32), 4, "bfloat16", "full")],
 }
@@ -84,6 +93,14 @@ def tokens(cfg, latent, batch) -> int:
     return batch * -(-t // pt) * -(-h // ph) * -(-w // pw)
 
 
+def caption_lengths(batch: int, L: int) -> np.ndarray:
+    """[batch] valid caption tokens: 40–150 of the real caption's 300 (OpenVid-1M-style captions), L/4..L for
+    the short test captions. Seeded: both implementations get the same lengths."""
+    rng = np.random.default_rng(1)
+    lo, hi = (40, 150) if L >= 150 else (L // 4, L)
+    return rng.integers(lo, hi + 1, batch)
+
+
 def inputs(cfg, s: Shape, mesh):
     """A batch of latents and text states (numpy → global arrays on the mesh)."""
     from jaxsora.parallel.sharding import host_to_global
@@ -94,7 +111,7 @@ def inputs(cfg, s: Shape, mesh):
     host = dict(
         video=rng.standard_normal((b, cfg.in_channels, t, h, w)).astype(np.float32),
         ids=rng.standard_normal((b, L, cfg.caption_channels)).astype(np.float32),
-        text_mask=(np.arange(L)[None] < rng.integers(L // 4, L + 1, (b, 1))).astype(np.int32),
+        text_mask=(np.arange(L)[None] < caption_lengths(b, L)[:, None]).astype(np.int32),
         fps=np.full((b,), 24.0, np.float32), height=np.full((b,), 8.0 * h, np.float32),
         width=np.full((b,), 8.0 * w, np.float32), num_frames=np.full((b,), 17.0 * max(1, t // 5), np.float32))
     return host_to_global(host, mesh)
@@ -171,7 +188,7 @@ b, L = a["batch"], cfg["model_max_length"]
 t, h, w = a["latent"]
 x = rng.standard_normal((b, cfg["in_channels"], t, h, w)).astype(np.float32)
 y = rng.standard_normal((b, 1, L, cfg["caption_channels"])).astype(np.float32)
-mask = (np.arange(L)[None] < rng.integers(L // 4, L + 1, (b, 1))).astype(np.int64)
+mask = (np.arange(L)[None] < np.asarray(a["caption_lengths"])[:, None]).astype(np.int64)
 def step():
     noise = rng.standard_normal(x.shape).astype(np.float32)
     tt = rng.uniform(0, 1000, b).astype(np.float32)
@@ -195,7 +212,8 @@ def bench_reference(s: Shape, args) -> dict:
     conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, patch_size=list(cfg.patch_size),
                 in_channels=cfg.in_channels, caption_channels=cfg.caption_channels,
                 model_max_length=cfg.model_max_length, qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
-    payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), steps=args.steps))
+    payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), steps=args.steps,
+                              caption_lengths=caption_lengths(s.batch, cfg.model_max_length).tolist()))
     harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(REF_SCRIPT)
