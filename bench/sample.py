@@ -90,16 +90,21 @@ def bench_jax(model, inputs, steps: int):
     import jax
     import jax.numpy as jnp
 
+    from jaxsora.data import text_length
     from jaxsora.diffusion import rflow
 
     b = inputs["z"].shape[0]
     t, h, w = inputs["z"].shape[2:]
     full = lambda v: jnp.full((b,), v, jnp.float32)  # noqa: E731
-    cond = dict(y=inputs["y"], mask=inputs["mask"].astype(np.int32), fps=full(24.0), height=full(8.0 * h),
+    # the prompts' tokens cut as `jaxsora.sample` cuts them (Pipeline._cut_text, the default data.text_lengths)
+    mask = inputs["mask"].astype(np.int32)
+    n = text_length.fitted_length(text_length.valid_length(mask), text_length.DEFAULT_LENGTHS, mask.shape[1])
+    cond = dict(y=inputs["y"][:, :, :n], mask=mask[:, :n], fps=full(24.0), height=full(8.0 * h),
                 width=full(8.0 * w))
+    y_null = inputs["y_null"][:, :, :n]
 
     def run():
-        out = rflow.sample(model, inputs["z"], cond, inputs["y_null"], key=jax.random.key(0), num_sampling_steps=steps,
+        out = rflow.sample(model, inputs["z"], cond, y_null, key=jax.random.key(0), num_sampling_steps=steps,
                            cfg_scale=7.0, height=cond["height"], width=cond["width"], num_frames=full(17.0),
                            progress=False)
         return np.asarray(jax.block_until_ready(out))

@@ -15,7 +15,9 @@ Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
   240p       depth 2, hidden 768, 12 heads, the real caption, 240p × 17 frames (5×30×53 latents → 2025
              tokens per sample), batch 1 — toward stage 1's token counts
 The realistic shapes' captions hold 40–150 valid tokens of the 300 (OpenVid-1M-style captions, as
-bench/sample.py); the same lengths feed both implementations.
+bench/sample.py); the same lengths feed both implementations. jaxsora's batch is cut to the shortest of
+configs/base.py's `data.text_lengths` that holds them, as the trainer cuts it; the reference packs the
+valid tokens itself.
   h100       STDiT3-XL/2 at 240p × 51 frames (15×30×53), batch 4, bf16, remat full; STDiT3-3B/2 at
              144p × 51 frames (15×18×32), batch 4, bf16, remat full
 
@@ -102,7 +104,10 @@ def caption_lengths(batch: int, L: int) -> np.ndarray:
 
 
 def inputs(cfg, s: Shape, mesh):
-    """A batch of latents and text states (numpy → global arrays on the mesh)."""
+    """A batch of latents and text states (numpy → global arrays on the mesh), its captions cut as the
+    trainer cuts them (`data.text_lengths` of configs/base.py: the shortest length that holds them)."""
+    from configs import base
+    from jaxsora.data import text_length
     from jaxsora.parallel.sharding import host_to_global
 
     b, L = s.batch, cfg.model_max_length
@@ -114,7 +119,8 @@ def inputs(cfg, s: Shape, mesh):
         text_mask=(np.arange(L)[None] < caption_lengths(b, L)[:, None]).astype(np.int32),
         fps=np.full((b,), 24.0, np.float32), height=np.full((b,), 8.0 * h, np.float32),
         width=np.full((b,), 8.0 * w, np.float32), num_frames=np.full((b,), 17.0 * max(1, t // 5), np.float32))
-    return host_to_global(host, mesh)
+    n = text_length.fitted_length(text_length.valid_length(host["text_mask"]), base.get_config().data.text_lengths, L)
+    return host_to_global(text_length.cut(host, n), mesh)
 
 
 def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
@@ -160,7 +166,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
                 compile_s=info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
                 mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
-                peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]))
+                peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]), text_tokens=int(batch["text_mask"].shape[1]))
 
 
 REF_SCRIPT = r'''
@@ -274,11 +280,14 @@ def main(argv=None):
         if args.reference:
             for r in rows[:-1]:
                 print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {r['step_s'] / rows[-1]['step_s']:.2f}")
-    for s, _ in results:
+    for s, rows in results:
         cfg = model_config(s)
+        lens = caption_lengths(s.batch, cfg.model_max_length)
         print(f"  {s.name}: {s.model} depth {cfg.depth} hidden {cfg.hidden_size} heads {cfg.num_heads}, latents "
               f"{'×'.join(map(str, s.latent))}, batch {s.batch}, caption {cfg.model_max_length}×"
-              f"{cfg.caption_channels}, {s.dtype}, remat {s.remat}{', scan' if s.scan else ''}")
+              f"{cfg.caption_channels} ({', '.join(map(str, lens))} valid; jaxsora runs it cut to "
+              f"{rows[0].get('text_tokens', cfg.model_max_length)}), {s.dtype}, remat {s.remat}"
+              f"{', scan' if s.scan else ''}")
     return results
 
 

@@ -5,6 +5,7 @@ line: `python -m jaxsora.train --config configs/stage1.py --config.optim.lr=2e-4
 """
 import ml_collections as mlc
 
+from jaxsora.data.text_length import DEFAULT_LENGTHS as TEXT_LENGTHS
 from jaxsora.models.t5 import TINY_DEFAULTS
 
 # Open-Sora 1.2 stage 1 bucket_config: {resolution: {num_frames: (keep_prob, per-device batch)}};
@@ -83,6 +84,10 @@ def get_config():
         codec_threads=0,                # FFmpeg threads per sample (0: host cores ÷ (workers × read threads), 1-4)
         prefetch=2,                     # batches buffered ahead, per worker
         index_dir="",                   # table index folder ("": <run>/table_index); reused while unchanged
+        # Each batch's captions are cut to the shortest of these token counts that holds its longest
+        # caption (the full model_max_length otherwise), as Open-Sora packs the valid tokens; each
+        # (bucket, length) compiles once, when first met. (): always the full length.
+        text_lengths=TEXT_LENGTHS,
         seed=42,
     ))
     c.scheduler = mlc.ConfigDict(dict(

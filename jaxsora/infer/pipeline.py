@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxsora.data import text_length
 from jaxsora.diffusion.rflow import _HostProgress
 from jaxsora.errors import BadInput
 from jaxsora.infer import options as opt
@@ -178,6 +179,13 @@ class Pipeline:
         """Rows of each batch: min(batch_size, n) rounded up to a multiple of the data-parallel size."""
         return -(-max(1, min(int(batch_size), int(n))) // self.dp) * self.dp
 
+    def _cut_text(self, y: np.ndarray, text_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """y [B, 1, L, D], text_mask [B, L] cut to the shortest of the run's `data.text_lengths` that
+        holds the prompts (as training cuts its batches; every process holds all prompts, so all cut alike)."""
+        lengths = ((self.run_config or {}).get("data") or {}).get("text_lengths", text_length.DEFAULT_LENGTHS)
+        n = text_length.fitted_length(text_length.valid_length(text_mask), lengths, text_mask.shape[1])
+        return y[:, :, :n], text_mask[:, :n]
+
     # ---- jitted pieces -----------------------------------------------------------------------
     def _batch(self, ndim: int) -> NamedSharding:
         from jaxsora.parallel.sharding import batch_sharding
@@ -200,7 +208,7 @@ class Pipeline:
         renoise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
         b = z.shape[0]
         ts = jnp.broadcast_to(ts[:, None], (ts.shape[0], b))
-        null_y = model.y_embedder.y_embedding[...]
+        null_y = model.y_embedder.y_embedding[...][: y.shape[-2]]  # the prompts' tokens may be cut (_cut_text)
         cond = dict(y=y, mask=text_mask, fps=fps, height=height, width=width)
         return rflow.denoise(model, z, cond, null_y, ts, key=renoise, cfg_scale=cfg_scale, mask=mask, x_cond=x_cond,
                              progress=progress)
@@ -308,6 +316,7 @@ class Pipeline:
                             sample_ms[r] = (sample_ms[r] + ";" if sample_ms[r] else "") + (
                                 f"{loop_i},{len(sample_refs[r]) - 1},-{cfl},0,{cfl},{settings.condition_frame_edit}")
                     y, tmask = self.text_encoder.encode([opt.extract_prompt_loop(fed[j], loop_i) for j in padded])
+                    y, tmask = self._cut_text(np.asarray(y), np.asarray(tmask))
                     mask, x_cond = build_condition(sample_ms, sample_refs, loop_i, latent_shape, align)
                     args = (self.state, keys_dev, jnp.int32(loop_i), self._put(y), self._put(tmask.astype(np.int32)),
                             fps_dev, h_dev, w_dev, ts_dev, None if mask is None else self._put(mask),

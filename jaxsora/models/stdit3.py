@@ -105,7 +105,8 @@ class CaptionEmbedder(nnx.Module):
     """y_proj (timm Mlp, GELU-tanh) over T5 states, with the learned null caption `y_embedding`.
 
     Caption dropout (CFG training) replaces a sample's whole caption by `y_embedding` but keeps
-    its text mask, as the reference does (spec §1.3).
+    its text mask, as the reference does (spec §1.3). Captions may be shorter than
+    `model_max_length` (cut to the batch's valid tokens); the null caption is cut with them.
     """
 
     def __init__(self, cfg: STDiT3Config, *, rngs, dtype):
@@ -127,12 +128,15 @@ class CaptionEmbedder(nnx.Module):
             drop = jax.random.uniform(dropout_key, (caption.shape[0],)) < self.uncond_prob
         if drop is not None:
             null = self.y_embedding[...].astype(self.dtype)
-            if caption.shape[2:] != null.shape:
+            n = caption.shape[2]
+            if n > null.shape[0] or caption.shape[3] != null.shape[1]:
                 raise ValueError(
-                    f"caption dropout needs captions of shape [B, 1, {null.shape[0]}, {null.shape[1]}] "
-                    f"(model_max_length tokens), got {tuple(caption.shape)}"
+                    f"caption dropout needs captions of shape [B, 1, ≤{null.shape[0]}, {null.shape[1]}] "
+                    f"(at most model_max_length tokens), got {tuple(caption.shape)}"
                 )
-            caption = jnp.where(drop[:, None, None, None], null[None, None], caption)
+            # A caption cut to its batch's valid tokens (`jaxsora.data.text_length`) keeps the null
+            # caption's first n tokens: the text mask lets the model see only those.
+            caption = jnp.where(drop[:, None, None, None], null[None, None, :n], caption)
         return self.y_proj(caption[:, 0])
 
 

@@ -69,11 +69,30 @@ def test_no_retrace_for_a_second_batch_of_the_same_shape(pipe):
     s = _settings(pipe, num_frames=4, batch_size=2)
     pipe.generate([A, B], s, progress=False)
     before = dict(pipe.trace_counts)
-    pipe.generate(["another prompt", "and another"], s.replace(seed=7, cfg_scale=4.0), progress=False)
+    pipe.generate(["wave 2.50", "wave 3.50"], s.replace(seed=7, cfg_scale=4.0), progress=False)
     pipe.generate(["a", "b", "c"], s, progress=False)  # two batches, the second padded to 2 rows
     assert dict(pipe.trace_counts) == before
     pipe.generate([A, B], s.replace(num_frames=3), progress=False)
     assert pipe.trace_counts["denoise"] == before["denoise"] + 1
+    # prompts cut to another of the run's data.text_lengths (these fill 15 of 16 tokens; A and B 10 → 11)
+    pipe.generate(["another prompt", "and another"], s, progress=False)
+    assert pipe.trace_counts["denoise"] == before["denoise"] + 2
+
+
+def test_prompts_cut_to_their_tokens_sample_the_same_video(pipe):
+    """The prompts' text states are cut as training cuts its batches (data.text_lengths of the run:
+    11 of 16 tokens for A); the video is the one the full 16 tokens give."""
+    s = _settings(pipe)
+    cut = pipe.generate([A], s, progress=False)[0]
+    assert pipe._last_denoise[0][3].shape[-2] == 11  # y [rows, 1, tokens, D] as the sampler ran it
+    lengths = pipe.run_config["data"]["text_lengths"]
+    pipe.run_config["data"]["text_lengths"] = []
+    try:
+        full = pipe.generate([A], s, progress=False)[0]
+        assert pipe._last_denoise[0][3].shape[-2] == 16
+    finally:
+        pipe.run_config["data"]["text_lengths"] = lengths
+    assert np.abs(cut.astype(int) - full).max() <= 1  # one level of uint8 rounding at most
 
 
 def _block_image(rng, h, w):

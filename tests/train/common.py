@@ -12,6 +12,8 @@ def small_config(outputs, *, max_steps=6, ckpt_every=3, mesh=(-1, 1, 1), experim
     c.model.update(dict(depth=1, hidden_size=32, num_heads=2))
     c.text_encoder.update(dict(d_model=16, num_layers=1, num_heads=2, d_ff=32, model_max_length=16))
     c.mesh.update(dict(data=mesh[0], fsdp=mesh[1], sequence=mesh[2]))
+    # The fake loader's captions hold 10 tokens, the last of each batch 13 (of 16): batches run cut to 14.
+    c.data.text_lengths = (11, 14)
     c.optim.update(dict(lr=1e-3, warmup_steps=2))  # the rate these tests were sized with (the demo trains at 2e-3)
     c.train.update(dict(outputs=str(outputs), experiment=experiment, max_steps=max_steps, ckpt_every=ckpt_every,
                         log_every=1, async_checkpoint=True, **train_kw))

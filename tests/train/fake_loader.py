@@ -36,7 +36,9 @@ class FakeLoader:
         video = np.sin(3 * grid[None, None, None, None, :] + phase + 0.3 * np.arange(t)[None, None, :, None, None])
         # uint8, as the real loader gives (the step maps it to [-1, 1])
         video = np.round((np.broadcast_to(video, (b, 3, t, h, w)) + 1) * 127.5).astype(np.uint8)
-        texts = [f"wave {p:.2f}" for p in phase.ravel()]
+        # The global batch's last caption is longer: processes hold captions of different lengths
+        # (the text cut, data.text_lengths, must agree on one length across them).
+        texts = [f"wave {p:.2f}" + (" up" if i == b - 1 else "") for i, p in enumerate(phase.ravel())]
         fps = np.full(b, 24.0, np.float32)
         if self.nan_from is not None and self.served >= self.nan_from:
             share = b // self.pc

@@ -173,6 +173,20 @@ def test_loss_on_8_devices_equals_1_device(reference_run, tmp_path):
         assert _logged_loss(tmp_path / "eight", step) == pytest.approx(_logged_loss(out_ref / "ref", step), rel=1e-5)
 
 
+def test_captions_cut_to_their_valid_tokens_change_no_loss(reference_run, tmp_path, capsys):
+    """The reference run cuts its captions to 14 of 16 tokens (data.text_lengths, tests/train/common.py):
+    the same run at the full 16 gives the same losses, and the cut shape is what the reference ran."""
+    out_ref, _ = reference_run
+    cfg = small_config(tmp_path, max_steps=2, mesh=(1, 1, 1), experiment="full")
+    cfg.data.text_lengths = ()
+    _run(cfg)
+    assert "captions of" not in capsys.readouterr().out  # nothing cut: every batch at the planned shape
+    for step in (1, 2):
+        assert _logged_loss(tmp_path / "full", step) == pytest.approx(_logged_loss(out_ref / "ref", step), rel=1e-6)
+    _run(small_config(tmp_path, max_steps=1, mesh=(1, 1, 1), experiment="cut"))
+    assert "captions of 14 tokens" in capsys.readouterr().out  # the shape the reference run ran
+
+
 def test_restore_on_another_mesh(reference_run, tmp_path):
     """Saved on one device, restored onto 8 (params FSDP-sharded, tokens sequence-sharded). The
     data-parallel size changes (1 → 4), so the data position cannot carry over: --start-from-scratch."""
@@ -201,6 +215,9 @@ def test_two_processes_equal_one_process(reference_run, tmp_path):
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     res = lambda s: json.loads(s.split("RESULT ", 1)[1].splitlines()[0])  # noqa: E731
     assert res(outs[0])["last_loss"] == pytest.approx(_logged_loss(out_ref / "ref", 2), rel=1e-5)
+    # Process 0's rows hold 10 valid caption tokens, process 1's 13: both cut to 14 (one program), agreed
+    # through the coordination service (alone, process 0 would have cut to 11).
+    assert "captions of 14 tokens" in outs[0] and "captions of 11 tokens" not in outs[0]
 
 
 def test_sigterm_saves_and_exits(tmp_path):

@@ -211,14 +211,18 @@ def compile_plan(setup, loader) -> list:
 
 
 def compile_late(setup, batch, host) -> None:
-    """A bucket shape not in the plan compiled before step 0 (first met in a later epoch)."""
+    """A batch shape not compiled before step 0: a bucket first met in a later epoch, or captions cut
+    to one of `data.text_lengths` (the plan compiles every bucket at the full caption length, the
+    largest in memory)."""
     from jaxsora.parallel.sharding import abstract_of
 
     spec = abstract_of(batch)
     info = setup.step.compile(spec, setup.encoders.weights)
     limit = device_memory_limit(setup.config)
     if jax.process_index() == 0:
-        print(f"[jaxsora] compiled a new bucket shape {host.get('bucket')} in {info.seconds:.1f}s: "
+        text = int(batch["text_mask"].shape[1])
+        print(f"[jaxsora] compiled a new batch shape (bucket {host.get('bucket')}, captions of {text} tokens) in "
+              f"{info.seconds:.1f}s: "
               f"{info.peak_bytes / GIB:.2f} GiB per device"
               + (f" of {limit / GIB:.2f}" + ("" if info.peak_bytes <= limit else " — MAY NOT FIT")
                  if limit else ""), flush=True)

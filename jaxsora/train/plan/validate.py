@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from jaxsora.data import text_length
 from jaxsora.errors import ConfigError
 
 
@@ -131,6 +132,10 @@ def validate_config(config, opts=None) -> None:
         if group not in config:
             raise ConfigError(f"config has no '{group}' group")
     check_ranges(config)
+    try:
+        text_length.check_lengths(config.data.get("text_lengths", ()))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     features = config.data.get("features")
     if features:

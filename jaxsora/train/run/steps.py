@@ -20,6 +20,8 @@ import time
 import jax
 
 from jaxsora.checkpoint import Checkpointer
+from jaxsora.data import text_length
+from jaxsora.parallel import agree
 from jaxsora.train.plan import memory
 from jaxsora.train.run.setup import plain
 from jaxsora.train.run.supervise import StopRequested, Watchdog, write_heartbeat
@@ -81,6 +83,22 @@ def _skip_counts(loader) -> dict:
     return {"unreadable": n} if n else {}
 
 
+def text_fitter(config, max_length: int):
+    """host batch, step id → the batch with its text cut to the shortest `data.text_lengths` entry that
+    holds its longest caption (the same length on every process), or as it is when none is set."""
+    lengths = text_length.check_lengths(config.data.get("text_lengths", ()))
+    if not lengths or min(lengths) >= max_length:
+        return lambda host, _: host
+
+    def fit(host: dict, step_id: int) -> dict:
+        tag = f"text/{step_id}"
+        valid = agree.agree_max(tag, text_length.valid_length(host["text_mask"]))
+        agree.forget(f"text/{step_id - 2}")  # every process has read it: each has given step_id − 1's
+        return text_length.cut(host, text_length.fitted_length(valid, lengths, max_length))
+
+    return fit
+
+
 def run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator=None) -> dict:
     """The steps of a run whose state is on the mesh: dispatch, log, evaluate, save; the summary dict
     `train()` returns."""
@@ -106,6 +124,7 @@ def run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, ev
     ecfg = config.get("eval") or {}
     eval_every = int(ecfg.get("every", 0) or 0) if evaluator is not None else 0
     enc = setup.encoders.weights
+    fit_text = text_fitter(config, setup.encoders.model_max_length)
     counts = dict(bad_in_row=0, nonfinite=0)
     # good_ckpt: the newest checkpoint saved before the current streak of rejected steps began.
     last = dict(loss=None, good_ckpt=None, streak_ckpt=None, interval_start=time.monotonic(), done=None,
@@ -204,6 +223,7 @@ def run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, ev
                 host = next(it)
                 t_data = time.monotonic() - t0
                 watchdog.phase(None)
+                host = fit_text(host, dispatched)
                 batch = global_batch(host, mesh)
                 if batch_key(batch) not in setup.step.executables:
                     memory.compile_late(setup, batch, host)

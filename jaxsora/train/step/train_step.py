@@ -120,6 +120,7 @@ def make_train_step(
 
         old_norm = weight_norm(state.params)
         growth = jnp.ones((), jnp.float32)
+        new_norm = None
         if max_norm_growth > 0:
             # The proposed parameters only feed this norm (XLA fuses them into the reduction); the
             # applied ones are recomputed in `apply`, so no second copy of params and moments is live.
@@ -135,7 +136,9 @@ def make_train_step(
         # A rejected step leaves the state as it was: one branch runs (no per-array select over
         # params, moments and EMA), and the donated buffers pass through.
         new_state = jax.lax.cond(ok, apply, lambda state: state, state)
-        metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=weight_norm(new_state.params),
+        # The applied parameters are the proposed ones (or the old ones): their norm is known already.
+        norm = weight_norm(new_state.params) if new_norm is None else jnp.where(ok, new_norm, old_norm)
+        metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=norm,
                        lr=lr_fn(state.step), nonfinite=(~ok).astype(jnp.int32), step=new_state.step,
                        norm_growth=growth)
         return new_state, metrics
