@@ -24,7 +24,7 @@ install: $(STAMP)
 # Each worker holds a few GiB (8 fake devices, compiled steps): raise it on machines with the memory.
 TEST_WORKERS ?= 2
 test: install lint
-	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade, simplify; pyproject.toml): make test
 # runs it first, so CI does too

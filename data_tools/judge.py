@@ -6,9 +6,10 @@ This judges a video by its pixels alone:
 
 - colour: the foreground (pixels far from the background colour), its stronger half averaged over
   all frames, matched to the nearest colour of the set's palette;
-- motion: the foreground's centroid in every frame, a least-squares line through it over the frames;
-  the direction is the dominant axis of that line's travel (first to last frame) and its sign. A
-  travel under `MIN_TRAVEL` of the frame's side, or frames with no foreground, is "none".
+- motion: the foreground's centroid in every frame (on the circle: the set's frames wrap around its
+  borders), a least-squares line through it over the frames; the direction is the dominant axis of
+  that line's travel (first to last frame) and its sign. A travel under `MIN_TRAVEL` of the frame's
+  side, or frames with no foreground, is "none".
 
 The judge is checked on the set's own clips (tests/data_tools/test_judge.py): every training clip
 gets its caption's colour and direction.
@@ -66,6 +67,20 @@ def parse_caption(text: str) -> dict:
     return dict(colour=m["colour"], shape=m["shape"], direction=direction)
 
 
+def _circular_centroid(fg: np.ndarray, axis: int) -> np.ndarray:
+    """fg [T, H, W] bool → [T] centroid along `axis` (1: rows, 2: columns), taken on the circle (the
+    synthetic set's frames wrap around: a shape crossing a border is split in two), unwrapped over the
+    frames so that a shape leaving one border and coming back at the other moves on continuously. For
+    a compact shape away from the borders it is the plain centroid."""
+    size = fg.shape[axis]
+    angle = 2 * np.pi * np.arange(size) / size
+    shape = [1, 1, 1]
+    shape[axis] = size
+    s = (fg * np.sin(angle).reshape(shape)).sum(axis=(1, 2))
+    c = (fg * np.cos(angle).reshape(shape)).sum(axis=(1, 2))
+    return np.unwrap(np.arctan2(s, c)) * size / (2 * np.pi)
+
+
 def judge_frames(frames: np.ndarray) -> Verdict:
     """frames: [T, H, W, 3] uint8 (or float in 0..255) → the colour and motion they show."""
     f = np.asarray(frames, np.float32)
@@ -87,9 +102,7 @@ def judge_frames(frames: np.ndarray) -> Verdict:
     ok = counts >= MIN_FOREGROUND_PIXELS
     if t < 2 or ok.sum() < 2:
         return Verdict(colour, "none", (0.0, 0.0))
-    yy, xx = np.mgrid[0:h, 0:w]
-    cy = (fg * yy).sum(axis=(1, 2))[ok] / counts[ok]
-    cx = (fg * xx).sum(axis=(1, 2))[ok] / counts[ok]
+    cy, cx = _circular_centroid(fg[ok], axis=1), _circular_centroid(fg[ok], axis=2)
     frames_idx = np.arange(t, dtype=np.float32)[ok]
     span = float(t - 1)
     dy = float(np.polyfit(frames_idx, cy, 1)[0]) * span

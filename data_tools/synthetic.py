@@ -1,8 +1,9 @@
 """`python -m data_tools.synthetic --output DIR`: a small synthetic video dataset, made on the spot.
 
 Each clip is a coloured shape (circle, square or bar) moving in one direction over a dark
-background, at constant speed and never stopping at the border; its caption says which ("a red
-circle moving right on a dark background"). Videos are h264 mp4 (PyAV), images png;
+background at constant speed; the frame wraps around (what leaves one border comes back at the
+other), so the shape starts anywhere and only its caption says which way it goes ("a red circle
+moving right on a dark background"). Videos are h264 mp4 (PyAV), images png;
 `DIR/meta.csv` has the columns the loader needs (path relative to DIR, text, num_frames, height,
 width, aspect_ratio = H/W, resolution = H·W, fps). Twelve (colour, shape, direction) combinations
 are never shown (`HELD_OUT`); `DIR/prompts.txt` lists their captions, to sample with and judge
@@ -45,6 +46,11 @@ HELD_OUT = tuple((list(COLORS)[i % 6], SHAPES[i % 3], list(DIRECTIONS)[i % 4]) f
 TRAVEL = 0.8
 # The shape's radius, as a fraction of the frame's short side.
 RADIUS = 0.2
+# Clips wrap around the frame's borders (a torus): without it a clip's place gives its direction away
+# (a shape crossing 0.8 of the frame rightwards always starts at the left), and a model learns to read
+# the place instead of the caption's direction word (issue #22: frame 0 drawn where leftward clips
+# start, "moving right" moved left 19 times of 24).
+WRAP = True
 
 PRESETS = {
     # 9-frame clips: the demo's 8-frame bucket takes clips of more than 8 frames (the reference's rule).
@@ -62,43 +68,61 @@ def caption(color: str, shape: str, direction: str | None = None) -> str:
     return f"a {color} {shape}{motion} on a dark background"
 
 
-def _path(lo: float, hi: float, travel: float, step: int, t: int, rng: np.random.Generator) -> np.ndarray:
-    """Centre positions [T] along one axis: `step` = +1/−1 crosses `travel` of [lo, hi] at constant
-    speed without ever leaving it (the path is placed at random inside), 0 stays at a random place."""
+def _path(lo: float, hi: float, travel: float, step: int, t: int, rng: np.random.Generator, size: float | None = None
+          ) -> np.ndarray:
+    """Centre positions [T] along one axis: `step` = +1/−1 moves `travel` of [lo, hi] over the clip at
+    constant speed; 0 stays at a random place in [lo, hi].
+
+    size None: the path stays inside [lo, hi] (placed at random there). A number: the frame wraps
+    around (a torus of that size) and the path starts anywhere on it, so that where the shape is
+    tells nothing of which way it goes — only the caption does."""
     if not step:
         return np.full(t, rng.uniform(lo, hi))
     span = (hi - lo) * travel
+    if size is not None:
+        return rng.uniform(0.0, size) + step * span * np.linspace(0.0, 1.0, t)  # unwrapped; drawn mod size
     start = rng.uniform(lo, hi - span)
     along = start + span * np.linspace(0.0, 1.0, t)
     return along if step > 0 else along[::-1]
 
 
+def _offset(grid: np.ndarray, centre: float, size: int | None) -> np.ndarray:
+    """grid − centre, or on a torus of `size` its shortest signed form in [−size/2, size/2)."""
+    d = grid - centre
+    return d if size is None else (d + size / 2) % size - size / 2
+
+
 def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.Generator, *,
-           radius: float = RADIUS, travel: float = TRAVEL) -> np.ndarray:
-    """[T, H, W, 3] uint8: the shape (radius: a fraction of the frame's short side) crossing the frame
-    along `direction` at constant speed over `travel` of the room it has (it never reaches the border
-    and stops, so every crop of the clip moves)."""
+           radius: float = RADIUS, travel: float = TRAVEL, wrap: bool = WRAP) -> np.ndarray:
+    """[T, H, W, 3] uint8: the shape (radius: a fraction of the frame's short side) moving along
+    `direction` at constant speed, `travel` of the room it has (frame size less its own) over the clip.
+
+    wrap: the frame is a torus — the shape starts anywhere and what leaves one border comes back at
+    the opposite one, so its place says nothing of its direction. Otherwise it stays inside the frame
+    (never reaching the border and stopping, so every crop of the clip moves)."""
     r = max(2, round(min(h, w) * radius))
     dy, dx = direction
-    ys, xs = _path(r, h - r, travel, dy, t, rng), _path(r, w - r, travel, dx, t, rng)
+    ys = _path(r, h - r, travel, dy, t, rng, h if wrap and dy else None)
+    xs = _path(r, w - r, travel, dx, t, rng, w if wrap and dx else None)
     yy, xx = np.mgrid[0:h, 0:w]
     bg = np.array(BACKGROUND, np.uint8)
     frames = np.empty((t, h, w, 3), np.uint8)
     for i in range(t):
-        cy, cx = ys[i], xs[i]
+        oy = _offset(yy, ys[i], h if wrap and dy else None)
+        ox = _offset(xx, xs[i], w if wrap and dx else None)
         if shape == "circle":
-            m = (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
+            m = oy ** 2 + ox ** 2 <= r * r
         elif shape == "square":
-            m = (np.abs(yy - cy) <= r) & (np.abs(xx - cx) <= r)
+            m = (np.abs(oy) <= r) & (np.abs(ox) <= r)
         else:  # a bar across the motion direction
-            m = (np.abs(yy - cy) <= (r if dx else r // 2)) & (np.abs(xx - cx) <= (r // 2 if dx else r))
+            m = (np.abs(oy) <= (r if dx else r // 2)) & (np.abs(ox) <= (r // 2 if dx else r))
         frames[i] = bg
         frames[i][m] = color
     return frames
 
 
 def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: int, seed: int,
-             radius: float = RADIUS, travel: float = TRAVEL, progress: bool = True) -> pd.DataFrame:
+             radius: float = RADIUS, travel: float = TRAVEL, wrap: bool = WRAP, progress: bool = True) -> pd.DataFrame:
     os.makedirs(os.path.join(out, "videos"), exist_ok=True)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -115,7 +139,8 @@ def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: 
         if i < num_videos:
             color, shape, direction = combos[rng.integers(len(combos))]
             t = int(frames[rng.integers(len(frames))])
-            clip = render(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng, radius=radius, travel=travel)
+            clip = render(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng, radius=radius, travel=travel,
+                          wrap=wrap)
             rel = f"videos/{i:05d}.mp4"
             write_mp4(clip, os.path.join(out, rel), fps, crf=12)
             text, n, f = caption(color, shape, direction), t, float(fps)

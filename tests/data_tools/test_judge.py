@@ -115,8 +115,32 @@ def test_synthetic_motion_never_stops(dataset):
     row = df[df.num_frames > 1].iloc[0]
     frames = judge.read_video(str(out / row.path)).astype(np.float32)
     fg = np.linalg.norm(frames - np.asarray(synthetic.BACKGROUND), axis=-1) > judge.FOREGROUND_DISTANCE
-    yy, xx = np.mgrid[0:fg.shape[1], 0:fg.shape[2]]
-    c = np.stack([[(f * yy).sum() / f.sum(), (f * xx).sum() / f.sum()] for f in fg])
+    c = np.stack([judge._circular_centroid(fg, 1), judge._circular_centroid(fg, 2)], axis=1)
     steps = np.abs(np.diff(c, axis=0)).max(axis=1)
     assert steps.min() > 0.5 * steps.mean()  # constant speed: no frame where the shape stands still
     assert pd.notna(row.fps)
+
+
+def test_where_a_clip_starts_says_nothing_of_its_direction(dataset):
+    """The frames wrap around: a shape starts anywhere whichever way it moves, so only the caption tells
+    the direction (without the wrap, rightward clips start at the left: a model reads the place)."""
+    out, df = dataset
+    starts = {"right": [], "left": []}
+    for row in df[df.num_frames > 1].itertuples():
+        d = judge.parse_caption(row.text)["direction"]
+        if d in starts:
+            fg = np.linalg.norm(judge.read_video(str(out / row.path))[:1].astype(np.float32)
+                                - np.asarray(synthetic.BACKGROUND), axis=-1) > judge.FOREGROUND_DISTANCE
+            starts[d].append(judge._circular_centroid(fg, 2)[0] % fg.shape[2])
+    right, left = np.asarray(starts["right"]), np.asarray(starts["left"])
+    assert len(right) > 30 and len(left) > 30
+    # start columns spread over the frame for both directions (a fixed side would give a spread of ~2 px)
+    for x in (right, left):
+        assert np.histogram(x, bins=4, range=(0, 32))[0].min() >= 3
+    # a clip that crosses a border is drawn in two pieces and judged by its direction all the same
+    rng = np.random.default_rng(3)
+    clip = synthetic.render("circle", synthetic.COLORS["red"], synthetic.DIRECTIONS["left"], 9, 32, 32, rng)
+    fg = np.linalg.norm(clip.astype(np.float32) - np.asarray(synthetic.BACKGROUND), axis=-1) > 80
+    split = [f for f in fg if f[:, 0].any() and f[:, -1].any()]
+    assert split, "this seed's clip should cross the left border"
+    assert judge.judge_frames(clip).direction == "left"
