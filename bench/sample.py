@@ -98,7 +98,7 @@ def bench_jax(model, inputs, steps: int):
     full = lambda v: jnp.full((b,), v, jnp.float32)  # noqa: E731
     # the prompts' tokens cut as `jaxsora.sample` cuts them (Pipeline._cut_text, the default data.text_lengths)
     mask = inputs["mask"].astype(np.int32)
-    n = text_length.fitted_length(text_length.valid_length(mask), text_length.DEFAULT_LENGTHS, mask.shape[1])
+    n = text_length.length_for(mask, text_length.DEFAULT_LENGTHS)
     cond = dict(y=inputs["y"][:, :, :n], mask=mask[:, :n], fps=full(24.0), height=full(8.0 * h),
                 width=full(8.0 * w))
     y_null = inputs["y_null"][:, :, :n]

@@ -119,7 +119,7 @@ def inputs(cfg, s: Shape, mesh):
         text_mask=(np.arange(L)[None] < caption_lengths(b, L)[:, None]).astype(np.int32),
         fps=np.full((b,), 24.0, np.float32), height=np.full((b,), 8.0 * h, np.float32),
         width=np.full((b,), 8.0 * w, np.float32), num_frames=np.full((b,), 17.0 * max(1, t // 5), np.float32))
-    n = text_length.fitted_length(text_length.valid_length(host["text_mask"]), base.get_config().data.text_lengths, L)
+    n = text_length.length_for(host["text_mask"], base.get_config().data.text_lengths)
     return host_to_global(text_length.cut(host, n), mesh)
 
 

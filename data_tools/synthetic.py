@@ -11,8 +11,9 @@ are never shown (`HELD_OUT`); `DIR/prompts.txt` lists their captions, to sample 
 
 Presets: `--preset demo` (the CPU demo: 240 clips of 32×32 × 9 frames plus 16 images), `--preset tests`
 (a handful of tiny clips of several sizes, aspect ratios and lengths). Any preset value can be
-overridden (`--num-videos`, `--sizes 32x32,24x40`, `--frames 12,20`, ...). Files already in DIR
-with the same names are replaced.
+overridden (`--num-videos`, `--sizes 32x32,24x40`, `--frames 12,20`, ...); `--trail N` draws N fading
+copies behind each moving shape, so that every frame shows its direction. Files already in DIR with the
+same names are replaced.
 """
 from __future__ import annotations
 
@@ -93,36 +94,46 @@ def _offset(grid: np.ndarray, centre: float, size: int | None) -> np.ndarray:
 
 
 def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.Generator, *,
-           radius: float = RADIUS, travel: float = TRAVEL, wrap: bool = WRAP) -> np.ndarray:
+           radius: float = RADIUS, travel: float = TRAVEL, wrap: bool = WRAP, trail: int = 0) -> np.ndarray:
     """[T, H, W, 3] uint8: the shape (radius: a fraction of the frame's short side) moving along
     `direction` at constant speed, `travel` of the room it has (frame size less its own) over the clip.
 
     wrap: the frame is a torus — the shape starts anywhere and what leaves one border comes back at
     the opposite one, so its place says nothing of its direction. Otherwise it stays inside the frame
-    (never reaching the border and stopping, so every crop of the clip moves)."""
+    (never reaching the border and stopping, so every crop of the clip moves).
+
+    trail: that many fading copies of the shape behind it, one frame's travel apart (a moving object's
+    blur in footage): each frame then shows which way the shape goes."""
     r = max(2, round(min(h, w) * radius))
     dy, dx = direction
     ys = _path(r, h - r, travel, dy, t, rng, h if wrap and dy else None)
     xs = _path(r, w - r, travel, dx, t, rng, w if wrap and dx else None)
     yy, xx = np.mgrid[0:h, 0:w]
-    bg = np.array(BACKGROUND, np.uint8)
+    bg = np.array(BACKGROUND, np.float32)
+    vy, vx = (ys[1] - ys[0], xs[1] - xs[0]) if t > 1 else (0.0, 0.0)  # travel per frame
+
+    def mask(cy, cx):
+        oy = _offset(yy, cy, h if wrap and dy else None)
+        ox = _offset(xx, cx, w if wrap and dx else None)
+        if shape == "circle":
+            return oy ** 2 + ox ** 2 <= r * r
+        if shape == "square":
+            return (np.abs(oy) <= r) & (np.abs(ox) <= r)
+        return (np.abs(oy) <= (r if dx else r // 2)) & (np.abs(ox) <= (r // 2 if dx else r))  # a bar across the motion
+
     frames = np.empty((t, h, w, 3), np.uint8)
     for i in range(t):
-        oy = _offset(yy, ys[i], h if wrap and dy else None)
-        ox = _offset(xx, xs[i], w if wrap and dx else None)
-        if shape == "circle":
-            m = oy ** 2 + ox ** 2 <= r * r
-        elif shape == "square":
-            m = (np.abs(oy) <= r) & (np.abs(ox) <= r)
-        else:  # a bar across the motion direction
-            m = (np.abs(oy) <= (r if dx else r // 2)) & (np.abs(ox) <= (r // 2 if dx else r))
-        frames[i] = bg
-        frames[i][m] = color
+        frame = np.broadcast_to(bg, (h, w, 3)).copy()
+        for k in range(trail if (vy or vx) else 0, 0, -1):  # the farthest, faintest copy first
+            frame[mask(ys[i] - k * vy, xs[i] - k * vx)] = bg + (np.asarray(color) - bg) * 0.5 * (1 - k / (trail + 1))
+        frame[mask(ys[i], xs[i])] = color
+        frames[i] = np.round(frame).astype(np.uint8)
     return frames
 
 
 def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: int, seed: int,
-             radius: float = RADIUS, travel: float = TRAVEL, wrap: bool = WRAP, progress: bool = True) -> pd.DataFrame:
+             radius: float = RADIUS, travel: float = TRAVEL, wrap: bool = WRAP, trail: int = 0,
+             progress: bool = True) -> pd.DataFrame:
     os.makedirs(os.path.join(out, "videos"), exist_ok=True)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -140,7 +151,7 @@ def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: 
             color, shape, direction = combos[rng.integers(len(combos))]
             t = int(frames[rng.integers(len(frames))])
             clip = render(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng, radius=radius, travel=travel,
-                          wrap=wrap)
+                          wrap=wrap, trail=trail)
             rel = f"videos/{i:05d}.mp4"
             write_mp4(clip, os.path.join(out, rel), fps, crf=12)
             text, n, f = caption(color, shape, direction), t, float(fps)
@@ -195,6 +206,8 @@ def main(argv=None) -> int:
                                                  f"else {RADIUS})")
     ap.add_argument("--travel", type=float, help=f"fraction of the free room a clip's shape crosses (default: the "
                                                  f"preset's, else {TRAVEL})")
+    ap.add_argument("--trail", type=int, help="fading copies of the shape behind it, one frame's travel apart "
+                                              "(default: the preset's, else 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
     args = ap.parse_args(argv)
@@ -203,11 +216,11 @@ def main(argv=None) -> int:
 
 def _main(args) -> int:
     kw = dict(PRESETS[args.preset])
-    for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed", "radius", "travel"):
+    for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed", "radius", "travel", "trail"):
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
-    for k in ("num_videos", "num_images"):
-        if kw[k] < 0:
+    for k in ("num_videos", "num_images", "trail"):
+        if kw.get(k, 0) < 0:
             raise BadInput(f"--{k.replace('_', '-')} must be ≥ 0, got {kw[k]}")
     if kw["fps"] < 1:
         raise BadInput(f"--fps must be ≥ 1, got {kw['fps']}")

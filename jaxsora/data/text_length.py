@@ -40,6 +40,12 @@ def fitted_length(valid: int, lengths: Sequence[int], max_length: int) -> int:
     return min(fits) if fits else int(max_length)
 
 
+def length_for(text_mask: np.ndarray, lengths: Sequence[int]) -> int:
+    """[b, L] mask → the length one batch is cut to: the shortest of `lengths` that holds its valid
+    tokens, else L (one process's view; a multi-process run agrees on the max, see the trainer)."""
+    return fitted_length(valid_length(text_mask), lengths, np.shape(text_mask)[1])
+
+
 def check_lengths(lengths) -> tuple[int, ...]:
     """`data.text_lengths` as a sorted tuple of positive ints; ValueError names what is wrong."""
     try:

@@ -183,7 +183,7 @@ class Pipeline:
         """y [B, 1, L, D], text_mask [B, L] cut to the shortest of the run's `data.text_lengths` that
         holds the prompts (as training cuts its batches; every process holds all prompts, so all cut alike)."""
         lengths = ((self.run_config or {}).get("data") or {}).get("text_lengths", text_length.DEFAULT_LENGTHS)
-        n = text_length.fitted_length(text_length.valid_length(text_mask), lengths, text_mask.shape[1])
+        n = text_length.length_for(text_mask, lengths)
         return y[:, :, :n], text_mask[:, :n]
 
     # ---- jitted pieces -----------------------------------------------------------------------

@@ -29,6 +29,8 @@ def test_fitted_length_takes_the_shortest_that_holds_it():
     assert tl.fitted_length(151, (75, 150), 300) == 300
     assert tl.fitted_length(3, (75, 150), 48) == 48  # lengths at or above the maximum are never used
     assert tl.fitted_length(0, (), 300) == 300
+    mask = (np.arange(300)[None] < np.array([[40], [76]])).astype(np.int32)  # rows of 40 and 76 valid tokens
+    assert tl.length_for(mask, (75, 150)) == 150 and tl.length_for(mask[:1], (75, 150)) == 75
 
 
 def test_check_lengths_refuses_what_is_not_token_counts():

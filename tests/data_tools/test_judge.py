@@ -144,3 +144,28 @@ def test_where_a_clip_starts_says_nothing_of_its_direction(dataset):
     split = [f for f in fg if f[:, 0].any() and f[:, -1].any()]
     assert split, "this seed's clip should cross the left border"
     assert judge.judge_frames(clip).direction == "left"
+
+
+def test_a_trail_shows_the_direction_in_every_frame():
+    """--trail N: fading copies behind the shape (a moving object's blur): every frame shows which way it
+    goes, the judge still reads the colour and direction, and without it only two colours are drawn."""
+    colour = synthetic.COLORS["blue"]
+    for name, (dy, dx) in synthetic.DIRECTIONS.items():
+        plain = synthetic.render("circle", colour, (dy, dx), 9, 32, 32, np.random.default_rng(5))
+        trail = synthetic.render("circle", colour, (dy, dx), 9, 32, 32, np.random.default_rng(5), trail=3)
+        assert len(np.unique(plain.reshape(-1, 3), axis=0)) == 2
+        v = judge.judge_frames(trail)
+        assert (v.colour, v.direction) == ("blue", name)
+        # the shape itself is where it was; the blends lie behind it (against the motion), never ahead
+        shape = (plain == colour).all(-1)
+        assert ((trail == colour).all(-1) == shape).all()
+        blend = ~shape & (trail != np.asarray(synthetic.BACKGROUND, np.uint8)).any(-1)  # [T, H, W]
+        assert blend.any(axis=(1, 2)).all()
+        whole = [i for i in range(9) if not (shape[i][[0, -1]].any() or shape[i][:, [0, -1]].any())]
+        assert whole
+        for i in whole:  # frames where the shape is not split by a border
+            ys, xs = np.nonzero(shape[i])
+            by, bx = np.nonzero(blend[i])
+            behind = (by - ys.mean()) * dy + (bx - xs.mean()) * dx  # < 0: behind the shape
+            near = (np.abs(by - ys.mean()) < 12) & (np.abs(bx - xs.mean()) < 12)
+            assert (behind[near] < 0).all()

@@ -1,0 +1,161 @@
+"""Does the demo learn its prompts? Variants of `configs/demo.py` trained side by side, each judged by
+its samples' pixels (issue #22): the synthetic set, `jaxsora.train`, `jaxsora.sample` on the
+held-out captions (prompts.txt) and `data_tools.judge`, as `make demo` chains them, per variant.
+
+    python bench/demo_sweep.py --out /tmp/sweep                       # every variant, 2 at a time
+    python bench/demo_sweep.py --out /tmp/sweep --parallel 8 --train-minutes 5   # on a GPU
+    python bench/demo_sweep.py --out /tmp/sweep --only base,big --steps-scale 0.01 --seeds 1   # a smoke run
+
+Meant for a machine with a GPU (one process per variant share it: on one H200, 8 variants side by side
+run about 0.14 s a step each, host-bound), but runs anywhere (2,000 demo steps: 15 min on 2 CPU cores). Prints a table last: per variant the steps, the last
+logged training loss, the judged colour and motion (chance for motion: 1 in 4), and the wall time.
+Each variant's logs stay in OUT/<variant>/ (data/, run/, samples/, log.txt, samples.png).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+# name -> (synthetic-set flags, config assignments (python, `c` is the demo config), steps).
+# Each variant changes one or two things of the demo (`base`); the last is the "does it ever" bound.
+# Issue #22's note gives what each scored (all at chance for motion, 2026-11-26).
+BATCH16 = 'c.data.bucket_config = {"demo32": {1: (1.0, 8), 8: (1.0, 16)}}'
+I2V = "c.mask_ratios = dict(image_head=0.5, image_tail=0.1, quarter_head=0.1, random=0.1)"
+BIG = "c.model.update(dict(depth=8, hidden_size=256, num_heads=8))"
+VARIANTS = {
+    "base": ([], [], 2000),
+    "base-long": ([], [], 10000),
+    "batch16": ([], [BATCH16], 3000),
+    "big": ([], [BIG], 3000),
+    # the shape moves 1 px a frame (travel 0.4) and is larger: more of it stays in a token over frames
+    "slow-large": (["--travel", "0.4", "--radius", "0.28"], [], 3000),
+    # half the batches give frame 0 (image-to-video), where knowing the direction pays at every noise level
+    "i2v-heavy": ([], [I2V], 3000),
+    # the shape crosses the whole room over a clip (~2.75 px a frame) and, in fast-small, is smaller: the
+    # word's value to the loss is the gap between a direction-aware and a direction-blind guess of each
+    # frame, which grows with the travel over the shape's size
+    "fast": (["--travel", "1.0"], [], 2000),
+    "fast-small": (["--travel", "1.0", "--radius", "0.12"], [], 2000),
+    # three fading copies behind the shape: every frame shows the direction, as colour shows in every frame
+    "trail": (["--trail", "3"], [], 2000),
+    # patch 1×1×1: 256 tokens a frame instead of 64, so a token holds 1 latent pixel and the shape moves a
+    # whole token each frame
+    "fine-tokens": ([], ["c.model.patch_size = (1, 1, 1)"], 3000),
+    "fine-i2v": ([], ["c.model.patch_size = (1, 1, 1)", I2V], 3000),
+    "fine-i2v-batch16": ([], ["c.model.patch_size = (1, 1, 1)", I2V, BATCH16], 3000),
+    "big-batch16-long": ([], [BIG, BATCH16], 10000),
+}
+
+
+def _run(cmd: list[str], log, env, stop_at: float | None = None) -> None:
+    """Run `cmd`; at `stop_at` (time.time()) send it SIGTERM — the trainer then checkpoints the step
+    it is at and exits 75 (stopped), which counts as done."""
+    log.write(f"\n$ {' '.join(cmd)}\n")
+    log.flush()
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        rc = p.wait(timeout=None if stop_at is None else max(1.0, stop_at - time.time()))
+    except subprocess.TimeoutExpired:
+        log.write(f"\n[demo_sweep] deadline: SIGTERM to {cmd[2]}\n")
+        log.flush()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait()
+        rc = 0 if rc == 75 else rc  # jaxsora.errors.EXIT_STOPPED: checkpointed and stopped
+    if rc:
+        raise RuntimeError(f"exit {rc}: {' '.join(cmd[:4])} …")
+
+
+def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str,
+                stop_at: float | None = None) -> dict:
+    data_flags, assigns, steps = VARIANTS[name]
+    steps = max(10, int(steps * steps_scale))
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    cfg_path = os.path.join(d, "config.py")
+    with open(cfg_path, "w") as f:
+        f.write("from configs import demo\n\n\ndef get_config():\n    c = demo.get_config()\n")
+        for a in assigns:
+            f.write(f"    {a}\n")
+        f.write(f"    c.train.max_steps = {steps}\n    c.train.ckpt_every = {max(steps // 2, 1)}\n"
+                f"    c.train.log_every = {max(steps // 20, 1)}\n    return c\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    t0 = time.time()
+    with open(os.path.join(d, "log.txt"), "w") as log:
+        try:
+            _run([python, "-m", "data_tools.synthetic", "--output", f"{d}/data", "--preset", "demo",
+                  "--no-progress", *data_flags], log, env)
+            _run([python, "-m", "jaxsora.train", "--config", cfg_path, "--data-path", f"{d}/data/meta.csv",
+                  "--run-dir", f"{d}/run"], log, env, stop_at)
+            t_train = time.time() - t0
+            _run([python, "-m", "jaxsora.sample", "--ckpt", f"{d}/run/checkpoints", "--ema", "--output",
+                  f"{d}/samples", "--prompt-file", f"{d}/data/prompts.txt", "--num-sample", str(seeds),
+                  "--no-progress"], log, env)
+            judged = subprocess.run([python, "-m", "data_tools.judge", f"{d}/samples", "--png",
+                                     f"{d}/samples.png", "--quiet"], capture_output=True, text=True, env=env,
+                                    cwd=ROOT)
+            log.write(judged.stdout + judged.stderr)
+        except Exception as e:  # noqa: BLE001 - a failed variant is a row of the table, not the end of the sweep
+            return dict(name=name, steps=steps, error=str(e), wall_s=time.time() - t0)
+    m = re.search(r"colour (\d+)/(\d+), motion (\d+)/(\d+)", judged.stdout)
+    loss = None
+    metrics = os.path.join(d, "run", "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        logged = [r for r in rows if "loss" in r]
+        loss = logged[-1]["loss"] if logged else None
+        steps = logged[-1].get("step", steps) if logged else steps
+    return dict(name=name, steps=steps, loss=loss, colour=m and f"{m[1]}/{m[2]}", motion=m and f"{m[3]}/{m[4]}",
+                train_s=t_train, wall_s=time.time() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="a folder for the variants' data, runs and samples")
+    ap.add_argument("--only", help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})")
+    ap.add_argument("--parallel", type=int, default=2, help="variants trained at once")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every variant's steps (smoke runs)")
+    ap.add_argument("--seeds", type=int, default=4, help="samples per held-out caption (12 captions)")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--train-minutes", type=float, default=None,
+                    help="stop every training this long after the sweep starts (checkpointed; then sampled)")
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        print(f"demo_sweep: unknown variant(s) {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    stop_at = time.time() + 60 * args.train_minutes if args.train_minutes else None
+    with cf.ThreadPoolExecutor(args.parallel) as pool:
+        futs = [pool.submit(run_variant, n, args.out, args.steps_scale, args.seeds, args.python, stop_at)
+                for n in names]
+        for f in cf.as_completed(futs):
+            r = f.result()
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    rows.sort(key=lambda r: names.index(r["name"]))
+    print(f"\n{'variant':<18} {'steps':>6} {'loss':>7} {'colour':>7} {'motion':>7} {'train s':>8} {'wall s':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<18} {r['steps']:>6} failed: {r['error']} (see {args.out}/{r['name']}/log.txt)")
+            continue
+        loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
+        print(f"{r['name']:<18} {r['steps']:>6} {loss:>7} {r['colour'] or '-':>7} {r['motion'] or '-':>7} "
+              f"{r['train_s']:>8.0f} {r['wall_s']:>7.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
