@@ -7,8 +7,9 @@ held-out captions (prompts.txt) and `data_tools.judge`, as `make demo` chains th
     python bench/demo_sweep.py --out /tmp/sweep --only base,big --steps-scale 0.01 --seeds 1   # a smoke run
 
 Meant for a machine with a GPU (one process per variant share it: on one H200, 8 variants side by side
-run about 0.14 s a step each, host-bound), but runs anywhere (2,000 demo steps: 15 min on 2 CPU cores). Prints a table last: per variant the steps, the last
-logged training loss, the judged colour and motion (chance for motion: 1 in 4), and the wall time.
+run about 0.14 s a step each, host-bound), but runs anywhere (2,000 demo steps: 15 min on 2 CPU
+cores). Prints a table last: per variant the steps, the last logged training loss, the judged colour
+and motion (chance for motion: 1 in 4), and the wall time.
 Each variant's logs stay in OUT/<variant>/ (data/, run/, samples/, log.txt, samples.png).
 """
 from __future__ import annotations
