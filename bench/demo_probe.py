@@ -1,0 +1,87 @@
+"""What does a trained demo model use? Its velocity error on its own training clips, per noise level,
+with the inputs changed one at a time (issue #22):
+
+    python bench/demo_probe.py outputs/demo/checkpoints outputs/demo/data [--clips 32]
+
+Columns (mean squared error of the predicted velocity on frames 1..7, as training measures it):
+  t2v        every frame noised, the clip's own caption (training without a frame mask)
+  opposite   the same with the caption's direction word swapped (right <-> left, up <-> down)
+  null       the same with the null caption (what classifier-free guidance contrasts with)
+  i2v        frame 0 given clean (x_mask, as the image_head frame mask trains it)
+  i2v other  frame 0 given clean, but another clip's
+A model that reads its direction word has `opposite` well above `t2v`; one that uses a given first
+frame has `i2v` well below `t2v` and `i2v other` above it. Same noise and clips in every column.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+OPPOSITE = {"right": "left", "left": "right", "up": "down", "down": "up"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt", help="a demo run's checkpoints/ (or run folder)")
+    ap.add_argument("data", help="the synthetic set it trained on (meta.csv, videos/)")
+    ap.add_argument("--clips", type=int, default=32)
+    ap.add_argument("--t", default="300,500,700,850,950", help="model timesteps (0..1000)")
+    ap.add_argument("--no-ema", action="store_true")
+    args = ap.parse_args(argv)
+
+    import jax.numpy as jnp
+    import pandas as pd
+    from flax import nnx
+
+    from data_tools.judge import read_video
+    from jaxsora.diffusion import rflow
+    from jaxsora.infer.pipeline import Pipeline
+
+    pipe = Pipeline.load(args.ckpt, ema=not args.no_ema)
+    model = nnx.merge(pipe.graphdef, pipe.state)
+    df = pd.read_csv(os.path.join(args.data, "meta.csv"))
+    df = df[df.num_frames >= 8].head(args.clips)
+    video = np.stack([read_video(os.path.join(args.data, p))[:8] for p in df.path]).astype(np.float32)
+    x0 = jnp.asarray(pipe.encode_video(np.transpose(video / 127.5 - 1, (0, 4, 1, 2, 3))))  # [B, C, T, h, w]
+    b, c, t = x0.shape[:3]
+
+    def caption_states(texts):
+        y, m = pipe.text_encoder.encode(list(texts))
+        return jnp.asarray(y), jnp.asarray(m)
+
+    swapped = [" ".join(OPPOSITE.get(w, w) for w in s.split()) for s in df.text]
+    y, m = caption_states(df.text)
+    y_opp, m_opp = caption_states(swapped)
+    y_null = jnp.broadcast_to(model.y_embedder.y_embedding[...][None, None, : y.shape[2]], y.shape)
+    size = dict(fps=jnp.full((b,), 8.0), height=jnp.full((b,), float(video.shape[2])),
+                width=jnp.full((b,), float(video.shape[3])))
+    noise = jnp.asarray(np.random.default_rng(0).standard_normal(x0.shape).astype(np.float32))
+    first_given = jnp.ones((b, t), bool).at[:, 0].set(False)  # x_mask: False = the clean condition frame
+    other = x0.at[:, :, 0].set(jnp.roll(x0, 1, axis=0)[:, :, 0])
+
+    def error(tv, clip, y_, m_, x_mask=None):
+        tt = jnp.full((b,), float(tv))
+        xt = rflow.add_noise(clip, noise, tt)
+        kw = dict(size, y=y_, mask=m_)
+        if x_mask is not None:
+            xt = jnp.where(x_mask[:, None, :, None, None], xt, clip)
+            kw["x_mask"] = x_mask
+        v = model(xt, tt, **kw)[:, :c]
+        return float(jnp.mean(jnp.square(v - (clip - noise))[:, :, 1:]))  # target: rflow.training_loss_explicit
+
+    print(f"{len(df)} clips; velocity error on frames 1..{t - 1}")
+    print(f"{'t':>5} {'t2v':>8} {'opposite':>9} {'null':>8} {'i2v':>8} {'i2v other':>10}")
+    for tv in (int(v) for v in args.t.split(",")):
+        row = (error(tv, x0, y, m), error(tv, x0, y_opp, m_opp), error(tv, x0, y_null, m),
+               error(tv, x0, y, m, first_given), error(tv, other, y, m, first_given))
+        print(f"{tv:>5} " + " ".join(f"{v:>{w}.4f}" for v, w in zip(row, (8, 9, 8, 8, 10))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
