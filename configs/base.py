@@ -146,5 +146,6 @@ def get_config():
         base="",                        # set by the trainer: the --ckpt-path the base came from (a record only)
     ))
     c.wandb = mlc.ConfigDict(dict(enabled=False, project="jaxsora", mode="online", name=""))
-    c.sample = mlc.ConfigDict(dict(num_frames=51, height=240, width=426, fps=24))
+    # What samples of this run default to (jaxsora.sample, the server); cfg_scale: Open-Sora 1.2's 7.0.
+    c.sample = mlc.ConfigDict(dict(num_frames=51, height=240, width=426, fps=24, cfg_scale=7.0))
     return c

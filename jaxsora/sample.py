@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("sampling")
     g.add_argument("--num-sampling-steps", "--steps", dest="num_sampling_steps", type=int, default=30,
                    help="denoising steps (rectified flow)")
-    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=7.0,
-                   help="classifier-free guidance scale")
+    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=None,
+                   help="classifier-free guidance scale (default: the run config's sample.cfg_scale, else 7.0)")
     g.add_argument("--seed", type=int, default=42, help="noise seed (with each prompt's text and repeat count)")
     g.add_argument("--batch-size", type=int, default=1, help="videos sampled together")
 
@@ -137,10 +137,10 @@ def read_prompts(args) -> list[str]:
 
 def make_settings(args, run_config: dict | None):
     """SampleSettings from the flags; what is not given comes from the run config's `sample`
-    section (size, frames, fps, aes/flow) or Open-Sora's defaults."""
+    section (size, frames, fps, aes/flow, cfg_scale) or Open-Sora's defaults."""
     from jaxsora.infer.pipeline import default_settings
 
-    kw = dict(num_sampling_steps=args.num_sampling_steps, cfg_scale=args.cfg_scale, seed=args.seed,
+    kw = dict(num_sampling_steps=args.num_sampling_steps, seed=args.seed,
               batch_size=args.batch_size, loop=args.loop, condition_frame_length=args.condition_frame_length,
               condition_frame_edit=args.condition_frame_edit, align=args.align, camera_motion=args.camera_motion,
               save_fps=args.save_fps, reference_path=args.reference_path, mask_strategy=args.mask_strategy)
@@ -156,6 +156,8 @@ def make_settings(args, run_config: dict | None):
         kw["num_frames"] = int(args.num_frames) if str(args.num_frames).isdigit() else args.num_frames
     if args.fps is not None:
         kw["fps"] = args.fps
+    if args.cfg_scale is not None:
+        kw["cfg_scale"] = args.cfg_scale
     if args.aes is not _UNSET:
         kw["aes"] = args.aes
     if args.flow is not _UNSET:

@@ -4,6 +4,7 @@ The judge is only worth its verdicts if it gets the set's own clips right: every
 clip (what the demo trains on), through the mp4 codec. And it must say "no" to what is not there: a
 still shape, a reversed clip, an empty frame.
 """
+import hashlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pandas as pd
 import pytest
 
 from data_tools import judge, synthetic
+from jaxsora.errors import BadInput
 from tests.conftest import REPO
 
 
@@ -71,6 +73,17 @@ def test_held_out_combinations_are_never_shown(dataset):
         assert any(c == colour and s == shape and d is not None for c, s, d in shown)
 
 
+def test_no_two_samples_are_alike(dataset, tmp_path):
+    """Shapes near the centre of a 32×32 frame can coincide; the set draws such a clip again, so a dedup of it
+    removes nothing — and asking for more samples than a frame size holds is one clear error."""
+    out, df = dataset
+    digests = {hashlib.sha256((out / p).read_bytes()).hexdigest() for p in df.path}
+    assert len(digests) == len(df) == 256
+    with pytest.raises(BadInput, match="could not draw 300 distinct samples"):
+        synthetic.generate(str(tmp_path), num_videos=300, num_images=0, sizes=[(8, 8)], frames=[2], fps=8, seed=0,
+                           progress=False)
+
+
 def test_parse_caption():
     assert judge.parse_caption("a white bar moving up on a dark background") == \
         dict(colour="white", shape="bar", direction="up")
@@ -121,29 +134,67 @@ def test_synthetic_motion_never_stops(dataset):
     assert pd.notna(row.fps)
 
 
-def test_where_a_clip_starts_says_nothing_of_its_direction(dataset):
-    """The frames wrap around: a shape starts anywhere whichever way it moves, so only the caption tells
-    the direction (without the wrap, rightward clips start at the left: a model reads the place)."""
+def _first_and_mean_place(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y, x) of the shape's centroid in the first frame and over all frames, from the frame's centre."""
+    fg = np.linalg.norm(frames.astype(np.float32) - np.asarray(synthetic.BACKGROUND), axis=-1) > 80
+    size = np.array(fg.shape[1:], np.float64)
+    c = np.stack([judge._circular_centroid(fg, 1), judge._circular_centroid(fg, 2)], axis=1)  # [T, 2], unwrapped
+    first = c[0] % size - size / 2
+    return first, first + (c - c[0]).mean(axis=0)
+
+
+def test_every_clip_starts_at_the_centre_whichever_way_it_goes(dataset):
+    """The demo set's shapes start near the centre: a first frame says nothing of the direction (only the
+    caption does), while where the shape is over the clip lies on the side its direction names."""
     out, df = dataset
-    starts = {"right": [], "left": []}
+    side = 0.1 * 32 + 1.0  # START_JITTER of the side, plus a pixel for the centroid of a drawn shape
+    firsts = {d: [] for d in synthetic.DIRECTIONS}
     for row in df[df.num_frames > 1].itertuples():
         d = judge.parse_caption(row.text)["direction"]
-        if d in starts:
-            fg = np.linalg.norm(judge.read_video(str(out / row.path))[:1].astype(np.float32)
-                                - np.asarray(synthetic.BACKGROUND), axis=-1) > judge.FOREGROUND_DISTANCE
-            starts[d].append(judge._circular_centroid(fg, 2)[0] % fg.shape[2])
-    right, left = np.asarray(starts["right"]), np.asarray(starts["left"])
-    assert len(right) > 30 and len(left) > 30
-    # start columns spread over the frame for both directions (a fixed side would give a spread of ~2 px)
-    for x in (right, left):
-        assert np.histogram(x, bins=4, range=(0, 32))[0].min() >= 3
-    # a clip that crosses a border is drawn in two pieces and judged by its direction all the same
+        first, mean = _first_and_mean_place(judge.read_video(str(out / row.path)))
+        assert np.abs(first).max() <= side, (row.path, first)
+        way = np.asarray(synthetic.DIRECTIONS[d], np.float64)
+        # over the clip the shape sits half its travel (6 px of 12) out from where it began, the way it goes,
+        # and so on that side of the centre whatever the jitter of its start
+        assert 5.0 < (mean - first) @ way < 7.0 and mean @ way > 1.5, (row.path, d, first, mean)
+        firsts[d].append(first)
+    for d, f in firsts.items():  # the first frames of each direction sit alike around the centre
+        assert len(f) > 40 and np.abs(np.mean(f, axis=0)).max() < 1.0, (d, np.mean(f, axis=0))
+
+
+def test_anywhere_starts_say_nothing_of_the_direction():
+    """--start anywhere: the frames wrap around and a shape starts anywhere, whichever way it moves; a clip
+    that crosses a border is drawn in two pieces and judged by its direction all the same."""
+    rng = np.random.default_rng(0)
+    for d in ("right", "left"):
+        starts = []
+        for _ in range(40):
+            clip = synthetic.render("circle", synthetic.COLORS["red"], synthetic.DIRECTIONS[d], 9, 32, 32, rng,
+                                    start="anywhere")
+            starts.append(_first_and_mean_place(clip)[0][1] + 16)
+        # start columns spread over the frame (a fixed side would give a spread of ~2 px)
+        assert np.histogram(starts, bins=4, range=(0, 32))[0].min() >= 3, (d, sorted(starts))
     rng = np.random.default_rng(3)
-    clip = synthetic.render("circle", synthetic.COLORS["red"], synthetic.DIRECTIONS["left"], 9, 32, 32, rng)
+    clip = synthetic.render("circle", synthetic.COLORS["red"], synthetic.DIRECTIONS["left"], 9, 32, 32, rng,
+                            start="anywhere", travel=0.8)
     fg = np.linalg.norm(clip.astype(np.float32) - np.asarray(synthetic.BACKGROUND), axis=-1) > 80
     split = [f for f in fg if f[:, 0].any() and f[:, -1].any()]
     assert split, "this seed's clip should cross the left border"
     assert judge.judge_frames(clip).direction == "left"
+
+
+def test_inside_starts_stay_in_the_frame():
+    """--start inside: the path stays within the frame (never split across a border), rightward clips start on
+    the left."""
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        clip = synthetic.render("square", synthetic.COLORS["green"], synthetic.DIRECTIONS["right"], 9, 32, 32, rng,
+                                start="inside")
+        fg = (clip != np.asarray(synthetic.BACKGROUND, np.uint8)).any(-1)
+        assert not (fg[:, :, 0].any(axis=1) & fg[:, :, -1].any(axis=1)).any()
+        assert judge.judge_frames(clip).direction == "right" and _first_and_mean_place(clip)[0][1] < 0
+    with pytest.raises(ValueError, match="start must be one of"):
+        synthetic.render("square", synthetic.COLORS["green"], (0, 1), 9, 32, 32, rng, start="middle")
 
 
 def test_a_trail_shows_the_direction_in_every_frame():

@@ -80,6 +80,22 @@ def test_settings_defaults_are_open_sora_s_and_validate():
             SampleSettings(**bad).validate()
 
 
+def test_the_run_config_sample_section_sets_the_defaults():
+    """A run's `sample` section (the demo's: 32×32, 8 frames, no score, guidance 4) replaces Open-Sora's defaults;
+    a flag of jaxsora.sample replaces it; a run config without cfg_scale (older runs) keeps Open-Sora's 7.0."""
+    from jaxsora.infer.pipeline import default_settings
+    from jaxsora.sample import build_parser, make_settings
+
+    run = {"sample": {"height": 32, "width": 32, "num_frames": 8, "fps": 8, "aes": None, "cfg_scale": 4.0}}
+    s = default_settings(run)
+    assert (s.image_size, s.num_frames, s.fps, s.aes, s.cfg_scale) == ((32, 32), 8, 8, None, 4.0)
+    assert default_settings(run, cfg_scale=2.5).cfg_scale == 2.5
+    assert default_settings({"sample": {"fps": 8}}).cfg_scale == default_settings(None).cfg_scale == 7.0
+    assert make_settings(build_parser().parse_args(["run", "--prompt", "x"]), run).cfg_scale == 4.0
+    assert make_settings(build_parser().parse_args(["run", "--prompt", "x", "--cfg-scale", "6"]), run).cfg_scale == 6.0
+    assert make_settings(build_parser().parse_args(["run", "--prompt", "x"]), None).cfg_scale == 7.0
+
+
 # ---- prompts ------------------------------------------------------------------------------
 def test_scores_appended_as_the_reference():
     assert opt.append_score_to_prompts(["a cat"], aes=6.5) == ["a cat aesthetic score: 6.5."]
