@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from data_tools.judge import read_video
+    from jaxsora.data.video import to_model_range
     from jaxsora.diffusion import rflow
     from jaxsora.infer.pipeline import Pipeline
 
@@ -46,8 +47,8 @@ def main(argv=None) -> int:
     model = nnx.merge(pipe.graphdef, pipe.state)
     df = pd.read_csv(os.path.join(args.data, "meta.csv"))
     df = df[df.num_frames >= 8].head(args.clips)
-    video = np.stack([read_video(os.path.join(args.data, p))[:8] for p in df.path]).astype(np.float32)
-    x0 = jnp.asarray(pipe.encode_video(np.transpose(video / 127.5 - 1, (0, 4, 1, 2, 3))))  # [B, C, T, h, w]
+    video = to_model_range(np.stack([read_video(os.path.join(args.data, p))[:8] for p in df.path]))  # [B, T, H, W, 3]
+    x0 = jnp.asarray(pipe.encode_video(np.transpose(video, (0, 4, 1, 2, 3))))  # [B, C, T, h, w]
     b, c, t = x0.shape[:3]
 
     def caption_states(texts):
