@@ -32,7 +32,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 # shapes start anywhere on a wrapping frame (ANYWHERE); issue #22's note of 2026-11-26 gives what each scored
 # there (sampled at guidance 7, the demo's then): all at chance for motion, the last being the "does it ever"
 # bound.
-ANYWHERE = ["--start", "anywhere", "--travel", "0.8"]
+ANYWHERE = ["--start", "anywhere", "--travel", "0.8"]  # the set's travel then; a later --travel wins
 BATCH16 = 'c.data.bucket_config = {"demo32": {1: (1.0, 8), 8: (1.0, 16)}}'
 I2V = "c.mask_ratios = dict(image_head=0.5, image_tail=0.1, quarter_head=0.1, random=0.1)"
 BIG = "c.model.update(dict(depth=8, hidden_size=256, num_heads=8))"

@@ -123,11 +123,16 @@ def test_cli_user_mistakes_are_one_line(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
 
 
+def _foreground(frames: np.ndarray) -> np.ndarray:
+    """[T, H, W, 3] → [T, H, W] bool: the pixels the judge counts as the shape."""
+    return np.linalg.norm(frames.astype(np.float32) - np.asarray(synthetic.BACKGROUND), axis=-1) > \
+        judge.FOREGROUND_DISTANCE
+
+
 def test_synthetic_motion_never_stops(dataset):
     out, df = dataset
     row = df[df.num_frames > 1].iloc[0]
-    frames = judge.read_video(str(out / row.path)).astype(np.float32)
-    fg = np.linalg.norm(frames - np.asarray(synthetic.BACKGROUND), axis=-1) > judge.FOREGROUND_DISTANCE
+    fg = _foreground(judge.read_video(str(out / row.path)))
     c = np.stack([judge._circular_centroid(fg, 1), judge._circular_centroid(fg, 2)], axis=1)
     steps = np.abs(np.diff(c, axis=0)).max(axis=1)
     assert steps.min() > 0.5 * steps.mean()  # constant speed: no frame where the shape stands still
@@ -136,7 +141,7 @@ def test_synthetic_motion_never_stops(dataset):
 
 def _first_and_mean_place(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(y, x) of the shape's centroid in the first frame and over all frames, from the frame's centre."""
-    fg = np.linalg.norm(frames.astype(np.float32) - np.asarray(synthetic.BACKGROUND), axis=-1) > 80
+    fg = _foreground(frames)
     size = np.array(fg.shape[1:], np.float64)
     c = np.stack([judge._circular_centroid(fg, 1), judge._circular_centroid(fg, 2)], axis=1)  # [T, 2], unwrapped
     first = c[0] % size - size / 2
@@ -147,7 +152,7 @@ def test_every_clip_starts_at_the_centre_whichever_way_it_goes(dataset):
     """The demo set's shapes start near the centre: a first frame says nothing of the direction (only the
     caption does), while where the shape is over the clip lies on the side its direction names."""
     out, df = dataset
-    side = 0.1 * 32 + 1.0  # START_JITTER of the side, plus a pixel for the centroid of a drawn shape
+    side = synthetic.START_JITTER * 32 + 1.0  # the start's jitter, plus a pixel for the centroid of a drawn shape
     firsts = {d: [] for d in synthetic.DIRECTIONS}
     for row in df[df.num_frames > 1].itertuples():
         d = judge.parse_caption(row.text)["direction"]
@@ -177,7 +182,7 @@ def test_anywhere_starts_say_nothing_of_the_direction():
     rng = np.random.default_rng(3)
     clip = synthetic.render("circle", synthetic.COLORS["red"], synthetic.DIRECTIONS["left"], 9, 32, 32, rng,
                             start="anywhere", travel=0.8)
-    fg = np.linalg.norm(clip.astype(np.float32) - np.asarray(synthetic.BACKGROUND), axis=-1) > 80
+    fg = _foreground(clip)
     split = [f for f in fg if f[:, 0].any() and f[:, -1].any()]
     assert split, "this seed's clip should cross the left border"
     assert judge.judge_frames(clip).direction == "left"
