@@ -13,6 +13,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # One persistent compilation cache for the whole session, subprocesses included (the loop tests
 # compile the same small train step many times).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxsora-test-jax-cache"))
+# Every program, not only those that compile in over a second (jax's default): a CLI test's process compiles
+# hundreds of small ones (initializers, the checkpoint fingerprints, the sampler's pieces), which add up to
+# seconds per process and are read back in milliseconds.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # The MurmurHash3 32-bit finalizer ("fmix32", Austin Appleby, MurmurHash3.cpp, public domain): a
 # bijection on uint32 that spreads every input bit over the output. Per word w at word position i
@@ -26,12 +27,12 @@ _MASK32 = 0xFFFFFFFF
 _HOST_CHUNK_WORDS = 1 << 23
 
 
-def _fmix32_jnp(h):
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(_FMIX_M1)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(_FMIX_M2)
-    return h ^ (h >> 16)
+def _fmix32_lax(h):
+    """fmix32 on uint32 words, in lax primitives (a TrainState has hundreds of arrays: jnp's per-call
+    promotion checks made this trace take seconds)."""
+    for shift, mult in ((16, _FMIX_M1), (13, _FMIX_M2)):
+        h = lax.mul(lax.bitwise_xor(h, lax.shift_right_logical(h, np.uint32(shift))), np.uint32(mult))
+    return lax.bitwise_xor(h, lax.shift_right_logical(h, np.uint32(16)))
 
 
 def _fmix32_np(h: np.ndarray) -> np.ndarray:
@@ -50,12 +51,12 @@ def _words_jnp(x):
         return x.astype(jnp.uint32)
     size = x.dtype.itemsize
     if size == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+        return lax.bitcast_convert_type(x, jnp.uint32)
     if size in (1, 2):
         narrow = jnp.uint8 if size == 1 else jnp.uint16
-        return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+        return lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
     if size == 8 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+        return lax.bitcast_convert_type(x, jnp.uint32)
     raise TypeError(f"no fingerprint for dtype {x.dtype}")
 
 
@@ -79,15 +80,17 @@ def _words_np(a: np.ndarray) -> np.ndarray:
 def _fingerprint_jnp(x):
     """uint32[2] fingerprint of one array (traced; sharded inputs reduce across devices)."""
     w = _words_jnp(x)
+    dims = tuple(range(w.ndim))
     # the word's position in C order, mod 2^32, from one iota per dimension
     pos = jnp.zeros(w.shape, jnp.uint32)
     stride = 1
-    for d in reversed(range(w.ndim)):
-        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride & _MASK32)
+    for d in reversed(dims):
+        pos = lax.add(pos, lax.mul(lax.broadcasted_iota(jnp.uint32, w.shape, d), np.uint32(stride & _MASK32)))
         stride *= w.shape[d]
-    f = _fmix32_jnp(w)
-    weight = pos * jnp.uint32(2) + jnp.uint32(1)
-    return jnp.stack([jnp.sum(f, dtype=jnp.uint32), jnp.sum(f * weight, dtype=jnp.uint32)])
+    f = _fmix32_lax(w)
+    weight = lax.add(lax.mul(pos, np.uint32(2)), np.uint32(1))
+    zero = np.uint32(0)
+    return jnp.stack([lax.reduce(f, zero, lax.add, dims), lax.reduce(lax.mul(f, weight), zero, lax.add, dims)])
 
 
 def host_fingerprint(a) -> tuple[int, int]:

@@ -20,6 +20,9 @@ def main(argv):
     from data_tools.precompute import main as precompute
     from jaxsora.errors import run_cli
     from tests.data.test_features_procs import install_sampled_vae
+    from tests.multiprocess_cache import share_compilation_cache
+
+    share_compilation_cache()
 
     if argv[:1] == ["--stop-after"]:
         data_tools.latents.precompute_features = functools.partial(data_tools.latents.precompute_features,

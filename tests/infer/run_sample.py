@@ -14,6 +14,7 @@ import numpy as np  # noqa: E402
 from jaxsora.data import video  # noqa: E402
 from jaxsora.errors import run_cli  # noqa: E402
 from jaxsora.sample import main  # noqa: E402
+from tests.multiprocess_cache import share_compilation_cache  # noqa: E402
 
 _write_mp4 = video.write_mp4
 
@@ -24,4 +25,5 @@ def write_mp4(frames, path, fps, **kw):
 
 
 video.write_mp4 = write_mp4  # write_samples imports it when it writes
+share_compilation_cache()
 sys.exit(run_cli("jaxsora.sample", main))

@@ -23,7 +23,8 @@ TIMEOUT = 240  # seconds a run may take (the runs share 2 cores); jax.distribute
 
 
 def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_COMPILATION_CACHE_DIR"}
+    cache = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")  # tests/conftest.py's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k in cache}
     return {**env, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAXSORA_INIT_TIMEOUT": str(TIMEOUT // 2),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
 

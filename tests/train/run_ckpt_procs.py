@@ -13,7 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from jaxsora.parallel.distributed import initialize  # noqa: E402
+from tests.multiprocess_cache import share_compilation_cache  # noqa: E402
 
+share_compilation_cache()
 initialize()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
