@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pandas as pd
 import pytest
@@ -42,16 +43,26 @@ LAMBDA = {**STAGE_CONFIGS, "OpenVid1M.csv": "meta.csv"}
 @dataclasses.dataclass
 class Walk:
     """Run the README command with these exact-substring `rewrites` (and `extra` arguments at its end);
-    it must exit 0 and, with `expect`, leave that path behind."""
+    it must exit 0, with `expect` leave that path behind, and pass `check` (a command the walk runs anyway is
+    not run again by another test: that test's assertions are its `check`)."""
     rewrites: dict = dataclasses.field(default_factory=dict)
     extra: str = ""
     expect: str | None = None
     chain: str = "runs"  # "data" (both chains start with it), "runs" or "tools"
+    check: Callable[[pathlib.Path, str], None] | None = None  # (the walk's folder, stdout): what the output says
 
 
 @dataclasses.dataclass
 class Skip:
     why: str
+
+
+def _search_found_the_boundary(work: pathlib.Path, stdout: str) -> None:
+    """The batch-size search on one device, capped at 4 per device, under 0.9 × 0.3 GiB: the images reach the
+    cap, the 8-frame clips stop at the memory boundary below it (each probe a compile of the real step)."""
+    found = json.loads((work / "bs.json").read_text())["demo32"]
+    assert 1 <= found["8"][1] < found["1"][1] == 4, found  # 8-frame clips fit fewer per device than images
+    assert "peak GiB" in stdout, stdout[-2000:]
 
 
 SKIP_CLUSTER = Skip("needs hosts reachable over ssh (tests/cluster runs these against a fake ssh)")
@@ -132,8 +143,9 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("data_tools.judge samples/", Walk(expect="samples.png")),
     # --- The tools chain.
     # A CPU reports no memory limit: the search needs one (the README's is the device's own).
-    ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 2 --no-progress"},
-                       "--config.train.device_memory_gib=0.3", expect="bs.json", chain="tools")),
+    ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 4 --no-progress"},
+                       "--config.train.device_memory_gib=0.3", expect="bs.json", chain="tools",
+                       check=_search_found_the_boundary)),
     ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_FAST, T1, chain="tools")),
     ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
                                               "heldout.csv": "splits/val.csv", "eval.every=1000": "eval.every=1"},
@@ -249,6 +261,8 @@ def walk(chain: str, work: pathlib.Path) -> list[str]:
         assert r.returncode == 0, "\n".join(log) + f"\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}"
         if action.expect:
             assert (work / action.expect).exists(), "\n".join(log) + f"\n{action.expect} was not written"
+        if action.check:
+            action.check(work, r.stdout)
         if key.startswith("data_tools.synthetic"):
             _user_inputs(work)
     if chain == "runs":  # the README's Python example samples the first run

@@ -41,16 +41,21 @@ def global_state(k):
                         host_state(k), shardings)
 
 
+def result(doc: dict) -> None:
+    """The `RESULT {json}` line the test reads, in one write (its stderr shares the pipe: see run_fake.py)."""
+    sys.stdout.write("RESULT " + json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
 if mode == "save":
     c = Checkpointer(directory, keep=0)
     for k in (1, 2, 3):
         c.save(k, global_state(k), config={}, data={"k": k}, meta={})
     c.close()
-    print("RESULT " + json.dumps({"saved": True}), flush=True)
+    result({"saved": True})
 else:
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), global_state(0))
     res = restore(directory, target)
     local = res["state"]["params"]["w"].addressable_shards[0]
     ok = bool(np.array_equal(np.asarray(local.data), host_state(res["step"])["params"]["w"][local.index]))
-    print("RESULT " + json.dumps({"step": res["step"], "skipped": [s for s, _ in res["skipped"]], "values_ok": ok}),
-          flush=True)
+    result({"step": res["step"], "skipped": [s for s, _ in res["skipped"]], "values_ok": ok})

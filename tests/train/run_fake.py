@@ -53,5 +53,8 @@ try:
     res = train(cfg, RunOptions(load=args.load, run_dir=os.path.join(args.outputs, "run")), loader_factory=factory)
 except NonFiniteError as e:
     res = dict(nonfinite_stop=str(e))
-print("RESULT " + json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float, str, bool, type(None)))}),
-      flush=True)
+# One write of the whole line: the tests read stderr in the same pipe, where Gloo's threads log (with
+# PYTHONUNBUFFERED, print writes its newline apart, and a line of theirs could land between).
+plain = {k: v for k, v in res.items() if isinstance(v, (int, float, str, bool, type(None)))}
+sys.stdout.write("RESULT " + json.dumps(plain) + "\n")
+sys.stdout.flush()

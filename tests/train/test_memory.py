@@ -1,11 +1,10 @@
 """Memory before step 0: the dry run prints every bucket's compiled memory; a run refuses, before
 writing anything, buckets that cannot fit and names the largest batch that would; the batch-size
 search finds, by compiling, the largest batch under the limit and writes a bucket config a run
-can use."""
+can use. The search's command line, on the demo config and its 0.3 GiB boundary, is a step of the README
+walk (tests/test_readme_walk.py, `_search_found_the_boundary`)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +12,7 @@ from jaxsora.tools.search_bs import search
 from jaxsora.train.plan import memory
 from jaxsora.train.run.loop import RunOptions, train
 from jaxsora.train.run.setup import setup_run
-from tests.train.common import REPO, small_config
+from tests.train.common import small_config
 from tests.train.fake_loader import FakeLoader
 
 SIZE = (4, 16, 16)  # the fake loader's bucket: 4 frames of 16×16
@@ -140,18 +139,3 @@ def test_search_bs_reads_the_bucket_config_file(peaks, tmp_path):
     result = search(cfg, fraction=1.0, use_table=False, progress=False)
     assert result["bucket_config"] == {"s16": {"4": [0.5, 3]}}
     assert [(r["resolution"], r["height"], r["width"]) for r in result["rows"]] == [("s16", 16, 16)]
-
-
-@pytest.mark.slow
-def test_search_bs_cli(tmp_path):
-    out = tmp_path / "bc.json"
-    # One device, and a cap of 4 per device: the images reach the cap, the 8-frame clips stop at the
-    # 0.3 GiB boundary below it (each probe is a compile of the real step: ~8 s on 2 CPU cores).
-    env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, "-m", "jaxsora.tools.search_bs", "--config", os.path.join(REPO, "configs", "demo.py"),
-           "--config.train.device_memory_gib=0.3", "--max-batch", "4", "--out", str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = json.loads(out.read_text())["demo32"]
-    assert 1 <= found["8"][1] < found["1"][1] == 4  # 8-frame clips fit fewer per device than images
-    assert "peak GiB" in r.stdout
