@@ -110,8 +110,8 @@ def make_train_step(
         return jax.value_and_grad(loss_fn)(state.params)
 
     # One jitted function, so that the step traces the optimizer once although it calls it twice (the guard's
-    # proposal and the applied update; XLA inlines both calls): the optimizer is per-array work, about two
-    # thirds of a small model's traced operations.
+    # proposal and the applied update; XLA inlines both calls, so the compiled step is the same): the optimizer
+    # is per-array work, and its second trace was 4,051 of the demo step's 11,060 traced equations.
     @jax.jit
     def optimizer_update(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
