@@ -5,8 +5,9 @@ x_t = (1 − τ)·x₀ + τ·ε, and the model predicts the velocity v = x₀ �
 its output; STDiT3's other C channels are unused). Noise and timesteps always come from a
 `jax.random` key; nothing draws from global state.
 
-`training_loss` is THE function `jaxsora.train` calls; `denoise` (the loop of `sample`, jitted by the
-caller) is what `jaxsora.infer` / `python -m jaxsora.sample` run.
+`training_loss` is THE function `jaxsora.train` calls; `sample_init` + `sample_steps` (the loop of
+`sample`, jitted by the caller and driven by `run_steps`) are what `jaxsora.infer` /
+`python -m jaxsora.sample` run.
 
 Deliberate differences from the reference (everything else is equal to it, see tests/diffusion):
 - `timestep_transform` counts at least 1 latent frame. The reference maps 1 < frames < 17 to
@@ -224,23 +225,40 @@ def _step_noise(key, i, shape):
     return jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
 
 
-def _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress):
-    """The jit-friendly body of `sample` (see there). ts: [steps, B]."""
-    steps, b = ts.shape
-    c = z.shape[1]
-    dts = jnp.concatenate([ts[:-1] - ts[1:], ts[-1:]], axis=0) / NUM_TIMESTEPS  # last Δ = t_{N−1}
+def sample_init(z, cond: dict, null_y, *, mask=None, x_cond=None):
+    """The sampler's state before step 0 → (carry, cond2): carry = (z [B, C, T, H, W] float32 with
+    the reference latents written where the edit mask is < 1, noise_added [B, T] bool), cond2 = the
+    model kwargs of the [cond; uncond] double batch (`_cfg_cond`)."""
+    b = z.shape[0]
     z = jnp.asarray(z, jnp.float32)
-    if step_noise is not None:
-        step_noise = jnp.asarray(step_noise, jnp.float32)
-        if step_noise.shape != (steps,) + z.shape:
-            raise ValueError(f"step_noise must be [steps, *z.shape] = {(steps,) + z.shape}, got {step_noise.shape}")
     if mask is not None:
         mask = jnp.asarray(mask, jnp.float32)
         if mask.shape != (b, z.shape[2]):
             raise ValueError(f"sample: edit mask must be [B, T] = {(b, z.shape[2])}, got {mask.shape}")
         if x_cond is not None:
             z = jnp.where((mask < 1)[:, None, :, None, None], jnp.asarray(x_cond, jnp.float32), z)
-    cond2 = _cfg_cond(cond, null_y)
+    noise_added = (mask == 1) if mask is not None else jnp.zeros((b, z.shape[2]), bool)
+    return (z, noise_added), _cfg_cond(cond, null_y)
+
+
+def sample_steps(model_fn: ModelFn, carry, cond2: dict, key, ts, *, mask=None, step_noise=None,
+                 cfg_scale=DEFAULT_CFG_SCALE, start=0, stop=None):
+    """Steps start..stop−1 of the sampling loop (one `lax.fori_loop`) → the carry after them.
+    carry, cond2: from `sample_init` (or a previous call); ts: [steps, B] model timesteps;
+    key / step_noise / mask: see `sample`. start/stop may be traced: one compiled program then runs
+    any range of steps, and running the steps one call at a time gives the same bits as one call."""
+    steps, b = ts.shape
+    stop = steps if stop is None else stop
+    z, _ = carry
+    c = z.shape[1]
+    dts = jnp.concatenate([ts[:-1] - ts[1:], ts[-1:]], axis=0) / NUM_TIMESTEPS  # last Δ = t_{N−1}
+    cfg_scale = jnp.asarray(cfg_scale, jnp.float32)
+    if step_noise is not None:
+        step_noise = jnp.asarray(step_noise, jnp.float32)
+        if step_noise.shape != (steps,) + z.shape:
+            raise ValueError(f"step_noise must be [steps, *z.shape] = {(steps,) + z.shape}, got {step_noise.shape}")
+    if mask is not None:
+        mask = jnp.asarray(mask, jnp.float32)
 
     def body(i, carry):
         z, noise_added = carry
@@ -262,31 +280,56 @@ def _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, c
         z = z + v * dts[i][:, None, None, None, None]
         if mask is not None:
             z = jnp.where(upper[:, None, :, None, None], z, x0)
-        if progress is not None:
-            jax.debug.callback(progress, i)
         return z, noise_added
 
-    noise_added = (mask == 1) if mask is not None else jnp.zeros((b, z.shape[2]), bool)
-    z, _ = jax.lax.fori_loop(0, steps, body, (z, noise_added))
-    return z
+    return jax.lax.fori_loop(start, stop, body, carry)
+
+
+def run_steps(step_fn: Callable, carry, steps: int, bar=None):
+    """Drive a sampler from the host: `step_fn(carry, start, stop)` → carry (a jitted `sample_steps`).
+    bar None: one call for all steps. bar a tqdm-like object: one call per step and `bar.update(1)`
+    as each step finishes (the next step is already queued), so a cached program shows progress
+    without a host callback inside it (jax does not cache programs with host callbacks)."""
+    if bar is None:
+        return step_fn(carry, 0, steps)
+    done = None
+    for i in range(steps):
+        carry = step_fn(carry, i, i + 1)
+        if done is not None:
+            jax.block_until_ready(done)
+            bar.update(1)
+        done = carry
+    jax.block_until_ready(done)
+    bar.update(1)
+    return carry
 
 
 def denoise(model_fn: ModelFn, z, cond: dict, null_y, ts, *, key=None, cfg_scale=DEFAULT_CFG_SCALE, mask=None,
-            x_cond=None, step_noise=None, progress=None):
-    """The sampling loop alone, for callers that jit it themselves (`jaxsora.infer`): `sample`
-    without the schedule and the jit. ts: [steps, B] model timesteps (`sampling_timesteps`);
-    key: one key or a [B] array of per-sample keys (see `_step_noise`), used only with a mask;
-    progress: None or a `_HostProgress`. Returns z [B, C, T, H, W] float32."""
+            x_cond=None, step_noise=None):
+    """The whole sampling loop as one traceable function (`sample_init` + `sample_steps`), for callers
+    that jit it themselves; `sample` without the schedule, the jit and the bar. ts: [steps, B] model
+    timesteps (`sampling_timesteps`); key: one key or a [B] array of per-sample keys (see
+    `_step_noise`), used only with a mask. Returns z [B, C, T, H, W] float32."""
     if mask is not None and step_noise is None and key is None:
         raise ValueError("denoise: an edit mask re-noises frames; pass key= (a jax.random key) or step_noise=")
-    return _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise,
-                        jnp.asarray(cfg_scale, jnp.float32), progress)
+    carry, cond2 = sample_init(z, cond, null_y, mask=mask, x_cond=x_cond)
+    z, _ = sample_steps(model_fn, carry, cond2, key, ts, mask=mask, step_noise=step_noise, cfg_scale=cfg_scale)
+    return z
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "progress"))
-def _sample_module(graphdef, state, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress):
-    model = nnx.merge(graphdef, state)
-    return _sample_loop(model, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, progress)
+_sample_init_jit = jax.jit(sample_init)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _module_steps(graphdef, state, carry, cond2, key, ts, mask, step_noise, cfg_scale, start, stop):
+    return sample_steps(nnx.merge(graphdef, state), carry, cond2, key, ts, mask=mask, step_noise=step_noise,
+                        cfg_scale=cfg_scale, start=start, stop=stop)
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn",))
+def _fn_steps(model_fn, carry, cond2, key, ts, mask, step_noise, cfg_scale, start, stop):
+    return sample_steps(model_fn, carry, cond2, key, ts, mask=mask, step_noise=step_noise, cfg_scale=cfg_scale,
+                        start=start, stop=stop)
 
 
 def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps: int = DEFAULT_SAMPLING_STEPS,
@@ -295,9 +338,8 @@ def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps:
     """Classifier-free-guided Euler sampling (RFLOW.sample, spec §2.4) → z [B, C, T, H, W] float32.
 
     model_fn: `model_fn(x, t, **kwargs)` → [2B, ≥C, T, H, W], or an `nnx.Module` with that call
-        (then the whole loop is one `jax.jit` with the parameters as arguments, cached per graph).
-        A plain callable runs the loop as one `lax.fori_loop` (wrap `sample` in your own jit to
-        compile the rest, e.g. `nnx.jit`).
+        (its parameters are arguments of the compiled loop, cached per graph). A plain callable is
+        a static argument of the compiled loop (compiled once per function object).
     z: [B, C, T, H, W] initial noise (Open-Sora seeds it separately; draw it from your own key).
     cond: model kwargs for the prompts: y [B, 1, L, D], mask [B, L] (text), fps/height/width [B].
     null_y: [B, 1, L, D] (or [L, D], broadcast) null caption, the model's `y_embedder.y_embedding`;
@@ -311,7 +353,8 @@ def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps:
     key: `jax.random` key for the re-noising of edited frames (only used with a mask; step i uses
         `fold_in(key, i)`), or a [B] array of keys (sample b: `fold_in(key[b], i)`, independent of
         the batch); step_noise: optional explicit [steps, B, C, T, H, W] noise instead.
-    Progress: `jax.debug.callback` from inside the loop into a host tqdm bar (progress=True).
+    progress: a tqdm bar on stderr, one compiled call per step (`run_steps`; the same bits as one
+        call). Inside the caller's own jit the loop is traced inline, once, and shows no bar.
 
     Schedule: `sampling_timesteps(...)`; update z += v̂·(t_i − t_{i+1})/1000 (last step to 0);
     v̂ = v_uncond + cfg_scale·(v_cond − v_uncond) on the first C output channels.
@@ -320,39 +363,27 @@ def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps:
         raise ValueError("sample: an edit mask re-noises frames; pass key= (a jax.random key) or step_noise=")
     ts = sampling_timesteps(num_sampling_steps, height, width, num_frames, use_timestep_transform)
     ts = jnp.broadcast_to(ts, (num_sampling_steps, z.shape[0]))
-    bar = _HostProgress(num_sampling_steps) if progress else None
     cfg_scale = jnp.asarray(cfg_scale, jnp.float32)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((z, cond, null_y, key, mask, x_cond,
+                                                                           step_noise, ts))):
+        return denoise(model_fn, z, cond, null_y, ts, key=key, cfg_scale=cfg_scale, mask=mask, x_cond=x_cond,
+                       step_noise=step_noise)
+    carry, cond2 = _sample_init_jit(z, cond, null_y, mask=mask, x_cond=x_cond)
     if isinstance(model_fn, nnx.Module):
         graphdef, state = nnx.split(model_fn)
-        return _sample_module(graphdef, state, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, bar)
-    return _sample_loop(model_fn, z, cond, null_y, key, ts, mask, x_cond, step_noise, cfg_scale, bar)
+        call = functools.partial(_module_steps, graphdef, state)
+    else:
+        call = functools.partial(_fn_steps, model_fn)
+    step_fn = lambda carry, start, stop: call(carry, cond2, key, ts, mask, step_noise, cfg_scale,  # noqa: E731
+                                              start, stop)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
 
-
-class _HostProgress:
-    """tqdm bar driven by `jax.debug.callback(self, i)` from a compiled loop. It is a static jit
-    argument, equal by (total, desc) so the compiled sampler is reused; a cached executable calls
-    the instance it was traced with, so a bar opens at step 0 and closes at the last step on every
-    run. Repeated or late calls (e.g. one per device) are ignored."""
-
-    def __init__(self, total: int, desc: str = "sampling"):
-        self.total, self.desc, self.bar = total, desc, None
-
-    def __eq__(self, other):
-        return isinstance(other, _HostProgress) and (self.total, self.desc) == (other.total, other.desc)
-
-    def __hash__(self):
-        return hash((_HostProgress, self.total, self.desc))
-
-    def __call__(self, i):
-        i = int(i)
-        if self.bar is None:
-            if i != 0:
-                return
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.total, desc=self.desc, leave=False)
-        if i + 1 > self.bar.n:
-            self.bar.update(i + 1 - self.bar.n)
-        if i + 1 >= self.total:
-            self.bar.close()
-            self.bar = None
+        bar = tqdm(total=num_sampling_steps, desc="sampling", leave=False)
+    try:
+        z, _ = run_steps(step_fn, carry, num_sampling_steps, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return z

@@ -28,7 +28,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsora.data import text_length
-from jaxsora.diffusion.rflow import _HostProgress
 from jaxsora.errors import BadInput
 from jaxsora.infer import options as opt
 from jaxsora.infer.conditioning import (
@@ -85,14 +84,6 @@ def default_settings(run_config: Mapping | None = None, **overrides) -> SampleSe
     return SampleSettings(**kw)
 
 
-class _SilentProgress(_HostProgress):
-    """The step bar of the processes other than 0: equal to process 0's `_HostProgress` (the same
-    compiled program, callback included), showing nothing."""
-
-    def __call__(self, i):
-        pass
-
-
 class Pipeline:
     """A loaded model with its VAE and text encoder, on a mesh. See the module docstring."""
 
@@ -121,7 +112,8 @@ class Pipeline:
         self.align = vae_align(vae)
         # How many times each jitted function was traced (a second batch of one shape adds nothing).
         self.trace_counts: collections.Counter = collections.Counter()
-        self._denoise = jax.jit(self._denoise_impl, static_argnames=("latent_shape", "progress"))
+        self._denoise_init = jax.jit(self._denoise_init_impl, static_argnames=("latent_shape",))
+        self._denoise = jax.jit(self._denoise_impl)
         self._decode = jax.jit(self._decode_impl, static_argnames=("num_frames",))
         self._encode = jax.jit(self._encode_impl)
         self._to_uint8 = jax.jit(self._to_uint8_impl)
@@ -196,22 +188,32 @@ class Pipeline:
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, self._batch(x.ndim), lambda idx: x[idx])
 
-    def _denoise_impl(self, state, key_data, loop_i, y, text_mask, fps, height, width, ts, mask, x_cond, cfg_scale, *,
-                      latent_shape, progress):
+    def _denoise_init_impl(self, state, key_data, loop_i, y, text_mask, fps, height, width, mask, x_cond, *,
+                           latent_shape):
+        """→ (carry, cond2, renoise keys): the sampler's state before step 0 (`rflow.sample_init`),
+        the initial noise drawn from each prompt's key."""
         from jaxsora.diffusion import rflow
 
-        self.trace_counts["denoise"] += 1
         model = nnx.merge(self.graphdef, state)
         keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.wrap_key_data(k), loop_i))(key_data)
         z = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, 0), latent_shape, jnp.float32))(keys)
         z = jax.lax.with_sharding_constraint(z, self._batch(z.ndim))
         renoise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
-        b = z.shape[0]
-        ts = jnp.broadcast_to(ts[:, None], (ts.shape[0], b))
         null_y = model.y_embedder.y_embedding[...][: y.shape[-2]]  # the prompts' tokens may be cut (_cut_text)
         cond = dict(y=y, mask=text_mask, fps=fps, height=height, width=width)
-        return rflow.denoise(model, z, cond, null_y, ts, key=renoise, cfg_scale=cfg_scale, mask=mask, x_cond=x_cond,
-                             progress=progress)
+        carry, cond2 = rflow.sample_init(z, cond, null_y, mask=mask, x_cond=x_cond)
+        return carry, cond2, renoise
+
+    def _denoise_impl(self, state, carry, cond2, renoise, ts, mask, cfg_scale, start, stop):
+        """Sampling steps start..stop−1 (`rflow.sample_steps`; start/stop are traced, so one program
+        serves the whole loop and the step-by-step loop of the progress bar)."""
+        from jaxsora.diffusion import rflow
+
+        self.trace_counts["denoise"] += 1
+        model = nnx.merge(self.graphdef, state)
+        ts = jnp.broadcast_to(ts[:, None], (ts.shape[0], carry[0].shape[0]))
+        return rflow.sample_steps(model, carry, cond2, renoise, ts, mask=mask, cfg_scale=cfg_scale, start=start,
+                                  stop=stop)
 
     def _vae(self, vae_state):
         return nnx.merge(self._vae_graphdef, vae_state) if self._vae_graphdef is not None else self.vae
@@ -247,6 +249,8 @@ class Pipeline:
                  ) -> list[np.ndarray]:
         """One video [T, H, W, 3] uint8 per prompt (T = num_frames, or more with loops; H, W the
         requested size — with the OpenSora VAE rounded down to a multiple of 8, as the reference)."""
+        from tqdm.auto import tqdm
+
         from jaxsora.diffusion import rflow
 
         settings = settings if settings is not None else SampleSettings()
@@ -279,20 +283,14 @@ class Pipeline:
         loop, cfl = int(settings.loop), int(settings.condition_frame_length)
         drop = cond_pixel_frames(self.vae, cfl) if loop > 1 else 0
         fps_model = float(opt.IMG_FPS if T == 1 else settings.fps)
-        ts = np.asarray(rflow.sampling_timesteps(int(settings.num_sampling_steps), H, W, T,
-                                                 self.use_timestep_transform))[:, 0]
+        steps = int(settings.num_sampling_steps)
+        ts = np.asarray(rflow.sampling_timesteps(steps, H, W, T, self.use_timestep_transform))[:, 0]
         rows = self.rows(settings.batch_size, n)
         bs = int(settings.batch_size)
         ref_cache: dict = {}
-        bar = None
-        # Multi-host: the bars show on process 0 only; the others trace the same program (a silent bar).
+        # Multi-host: the bars show on process 0 only; the others run the same calls (a disabled bar).
         shown = jax.process_index() == 0
-        if progress and shown:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=n, unit="prompt", desc="prompts")
-        step_bar = (_HostProgress if shown else _SilentProgress)(int(settings.num_sampling_steps)) \
-            if progress else None
+        bar = tqdm(total=n, unit="prompt", desc="prompts") if progress and shown else None
         out: list = [None] * n
         with jax.set_mesh(self.mesh):
             rep = NamedSharding(self.mesh, PartitionSpec())
@@ -318,12 +316,18 @@ class Pipeline:
                     y, tmask = self.text_encoder.encode([opt.extract_prompt_loop(fed[j], loop_i) for j in padded])
                     y, tmask = self._cut_text(np.asarray(y), np.asarray(tmask))
                     mask, x_cond = build_condition(sample_ms, sample_refs, loop_i, latent_shape, align)
-                    args = (self.state, keys_dev, jnp.int32(loop_i), self._put(y), self._put(tmask.astype(np.int32)),
-                            fps_dev, h_dev, w_dev, ts_dev, None if mask is None else self._put(mask),
-                            None if x_cond is None else self._put(x_cond), cfg_dev)
-                    static = dict(latent_shape=latent_shape, progress=step_bar)
-                    self._last_denoise = (args, static)
-                    z = self._denoise(*args, **static)
+                    mask_dev = None if mask is None else self._put(mask)
+                    carry, cond2, renoise = self._denoise_init(
+                        self.state, keys_dev, jnp.int32(loop_i), self._put(y), self._put(tmask.astype(np.int32)),
+                        fps_dev, h_dev, w_dev, mask_dev, None if x_cond is None else self._put(x_cond),
+                        latent_shape=latent_shape)
+                    step_args = (cond2, renoise, ts_dev, mask_dev, cfg_dev)
+                    self._last_denoise = (self.state, carry) + step_args
+                    step_bar = tqdm(total=steps, desc="sampling", leave=False, disable=not shown) if progress else None
+                    z, _ = rflow.run_steps(lambda c, a, b: self._denoise(self.state, c, *step_args, a, b),  # noqa: B023
+                                           carry, steps, step_bar)
+                    if step_bar is not None:
+                        step_bar.close()
                     clips.append(self._decode(self.vae_state, z, num_frames=T))
                 frames = [self._fetch(self._to_uint8(c)) for c in clips]
                 video = np.concatenate([f if i == 0 else f[:, drop:] for i, f in enumerate(frames)], axis=1)
@@ -339,9 +343,8 @@ class Pipeline:
     def last_denoise_hlo(self) -> str:
         """The compiled HLO of the last sampling call (to check what runs: e.g. the all-to-alls of
         sequence parallelism). Traces once more."""
-        args, static = self._last_denoise
         with jax.set_mesh(self.mesh):
-            return self._denoise.lower(*args, **static).compile().as_text()
+            return self._denoise.lower(*self._last_denoise, 0, 1).compile().as_text()
 
     def _reference(self, path: str, height: int, width: int, cache: dict) -> np.ndarray:
         """Latents [C, t, h, w] of one reference file (encoded once per generate call)."""

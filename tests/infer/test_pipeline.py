@@ -65,10 +65,14 @@ def test_noise_depends_only_on_seed_and_prompt(pipe):
 
 
 def test_no_retrace_for_a_second_batch_of_the_same_shape(pipe):
-    """(g) compile once per shape (trace counter)."""
+    """(g) compile once per shape (trace counter), with or without the step bar."""
     s = _settings(pipe, num_frames=4, batch_size=2)
-    pipe.generate([A, B], s, progress=False)
+    quiet = pipe.generate([A, B], s, progress=False)
     before = dict(pipe.trace_counts)
+    # The step bar runs the same compiled steps one call per step: no new program, the same videos.
+    for a, b in zip(pipe.generate([A, B], s, progress=True), quiet):
+        np.testing.assert_array_equal(a, b)
+    assert "callback" not in pipe.last_denoise_hlo().lower()  # cacheable: no host callback inside
     pipe.generate(["wave 2.50", "wave 3.50"], s.replace(seed=7, cfg_scale=4.0), progress=False)
     pipe.generate(["a", "b", "c"], s, progress=False)  # two batches, the second padded to 2 rows
     assert dict(pipe.trace_counts) == before
@@ -84,12 +88,12 @@ def test_prompts_cut_to_their_tokens_sample_the_same_video(pipe):
     11 of 16 tokens for A); the video is the one the full 16 tokens give."""
     s = _settings(pipe)
     cut = pipe.generate([A], s, progress=False)[0]
-    assert pipe._last_denoise[0][3].shape[-2] == 11  # y [rows, 1, tokens, D] as the sampler ran it
+    assert pipe._last_denoise[2]["y"].shape[-2] == 11  # cond2 y [2·rows, 1, tokens, D] as the sampler ran it
     lengths = pipe.run_config["data"]["text_lengths"]
     pipe.run_config["data"]["text_lengths"] = []
     try:
         full = pipe.generate([A], s, progress=False)[0]
-        assert pipe._last_denoise[0][3].shape[-2] == 16
+        assert pipe._last_denoise[2]["y"].shape[-2] == 16
     finally:
         pipe.run_config["data"]["text_lengths"] = lengths
     assert np.abs(cut.astype(int) - full).max() <= 1  # one level of uint8 rounding at most
