@@ -5,6 +5,7 @@ devices); with `--reference`, the real Open-Sora PyTorch step at the same shape,
     python bench/step.py                                         # the listed shapes: tiny, realistic
     python bench/step.py --shapes realistic,wide,240p --reference /tmp/refenv/bin/python
     python bench/step.py --shapes h100                           # XL/2 240p×51 (remat) and 3B/2, bf16
+    python bench/step.py --shapes realistic --reference /tmp/refenv/bin/python --profile   # where the time goes
     python bench/step.py --model STDiT3-XL/2 --latent 15x30x53 --batch 4 --dtype bfloat16 --remat full
 
 Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
@@ -42,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -156,6 +158,9 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
+    breakdown = None
+    if args.profile:
+        state, breakdown = profile_jax(step, state, batch)
     model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
     n_dev = mesh.devices.size
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
@@ -166,7 +171,65 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
                 compile_s=info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
                 mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
-                peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]), text_tokens=int(batch["text_mask"].shape[1]))
+                peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]), text_tokens=int(batch["text_mask"].shape[1]),
+                breakdown=breakdown)
+
+
+PROFILED_STEPS = 3
+
+
+def _hlo_instructions(hlo: str) -> dict:
+    """name → (op_name metadata, whether it is or fuses a dot) for every instruction of a compiled HLO text."""
+    bodies, cur, out = {}, None, {}
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            cur = bodies.setdefault(head.group(1), [])
+            continue
+        if cur is not None and line.startswith("  "):
+            cur.append(line)
+    for body in bodies.values():
+        for line in body:
+            m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = \S+ ([\w\-]+)\(", line)
+            if not m:
+                continue
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            fused = bodies.get(called.group(1), []) if called else []
+            is_dot = m.group(2) in ("dot", "convolution") or any(re.search(r" (dot|convolution)\(", f) for f in fused)
+            out[m.group(1)] = (op_name.group(1) if op_name else "", is_dot)
+    return out
+
+
+def profile_jax(step, state, batch) -> tuple:
+    """Where one step's time goes: XLA:CPU's per-thunk trace (jax.profiler) of PROFILED_STEPS steps, each thunk
+    named by its HLO instruction and put in a category by what it computes (a dot or not) and where (autodiff's
+    forward `jvp(...)`, its backward `transpose(jvp(...))`, or neither: the norms, clipping, AdamW, the guard,
+    EMA). ms per step, summed over thunks — XLA runs independent thunks side by side, so the sum can exceed the
+    step's wall time."""
+    import glob
+
+    import jax
+
+    hlo = _hlo_instructions(next(iter(step.executables.values())).as_text())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(PROFILED_STEPS):
+                state, m = step(state, batch, {})
+            jax.block_until_ready(m)
+        data = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
+    cats: dict = {}
+    for plane in data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                if ev.name not in hlo:  # executor and thread-pool events, python frames
+                    continue
+                op_name, is_dot = hlo[ev.name]
+                where = ("backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name
+                         else "optimizer, norms, EMA")
+                key = where if where.startswith("optimizer") else f"{where} {'matmul' if is_dot else 'other'}"
+                cats[key] = cats.get(key, 0.0) + ev.duration_ns / 1e6 / PROFILED_STEPS
+    return state, cats
 
 
 REF_SCRIPT = r'''
@@ -209,7 +272,32 @@ step(); step()
 ts = []
 for _ in range(a["steps"]):
     t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
-print("REF " + json.dumps(dict(step_s=float(np.median(ts)), threads=torch.get_num_threads())))
+out = dict(step_s=float(np.median(ts)), threads=torch.get_num_threads())
+if a.get("profile"):
+    # matmul self time from torch.profiler; the update (clip, AdamW, EMA) timed around its calls
+    from torch.profiler import ProfilerActivity, profile
+    upd = []
+    def timed_update():
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        update_ema()
+        upd.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            noise = rng.standard_normal(x.shape).astype(np.float32)
+            tt = rng.uniform(0, 1000, b).astype(np.float32)
+            loss, grads = R.training_loss(model, x, noise, tt, y, mask, grad=True)
+            for n, p in model.named_parameters():
+                if n in grads:
+                    p.grad = torch.from_numpy(grads[n])
+            timed_update()
+    mm = sum(e.self_cpu_time_total for e in prof.key_averages()
+             if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
+                          "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward"))
+    out.update(matmul_ms=mm / 1e3 / 3, update_ms=1e3 * float(np.mean(upd)))
+print("REF " + json.dumps(out))
 '''
 
 
@@ -218,7 +306,7 @@ def bench_reference(s: Shape, args) -> dict:
     conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, patch_size=list(cfg.patch_size),
                 in_channels=cfg.in_channels, caption_channels=cfg.caption_channels,
                 model_max_length=cfg.model_max_length, qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
-    payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), steps=args.steps,
+    payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), steps=args.steps, profile=args.profile,
                               caption_lengths=caption_lengths(s.batch, cfg.model_max_length).tolist()))
     harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
@@ -232,7 +320,10 @@ def bench_reference(s: Shape, args) -> dict:
     model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
     return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=r["step_s"],
                 compile_s=None, tokens_per_s=tokens(cfg, s.latent, s.batch) / r["step_s"],
-                model_tflops=model_flops / r["step_s"] / 1e12, xla_tflops=None, mfu=None, peak_gib=None, loss=None)
+                model_tflops=model_flops / r["step_s"] / 1e12, xla_tflops=None, mfu=None, peak_gib=None, loss=None,
+                breakdown=None if "matmul_ms" not in r else {
+                    "matmul (forward + backward)": r["matmul_ms"], "optimizer, norms, EMA": r["update_ms"],
+                    "other (forward + backward, wall − the two)": 1e3 * r["step_s"] - r["matmul_ms"] - r["update_ms"]})
 
 
 def main(argv=None):
@@ -248,6 +339,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (auto on H100/H200)")
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time the PyTorch step")
+    ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (XLA:CPU's "
+                    "per-thunk trace; with --reference, the PyTorch step's matmul time and its update's time)")
     ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
                     "e.g. 0,2 (0: off; 2: the default)")
     args = ap.parse_args(argv)
@@ -280,6 +373,12 @@ def main(argv=None):
         if args.reference:
             for r in rows[:-1]:
                 print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {r['step_s'] / rows[-1]['step_s']:.2f}")
+    if args.profile:
+        print("\nwhere a step's time goes (ms per step; jaxsora: XLA:CPU thunks, which may overlap)")
+        for s, rows in results:
+            for r in rows:
+                for k, v in sorted((r.get("breakdown") or {}).items()):
+                    print(f"{s.name:<14} {r['impl']:<32} {k:<44} {v:9.1f}")
     for s, rows in results:
         cfg = model_config(s)
         lens = caption_lengths(s.batch, cfg.model_max_length)

@@ -83,6 +83,9 @@ def fail(prog: str, msg: str) -> NoReturn:  # noqa: F821
 
 def run_cli(prog: str, fn: Callable[[], int], argv: Sequence[str] | None = None) -> int:
     """Run a command's body: a UserError becomes one line and exit code 2 (unless --debug)."""
+    from jaxsora.lazy_imports import install
+
+    install()  # before the command starts threads (see jaxsora.lazy_imports)
     try:
         return fn()
     except UserError as e:

@@ -1,16 +1,17 @@
 """The package's import structure (issues #15, #25): no import cycle between jaxsora's modules, function-
 level imports included; no import from a lower layer (checkpoint, data, diffusion, parallel, models, io)
 up to a higher one (train, sample, serve, infer, config, tools); the checkpoint package stands on the
-floor (errors, io, parallel); and nothing that samples, converts or manages checkpoints reaches into
-train/, not even through another module — read from the source's syntax tree, so a lazy `import`
-inside a function counts as much as one at the top."""
+floor (errors, io, parallel, lazy_imports); and nothing that samples, converts or manages checkpoints
+reaches into train/, not even through another module — read from the source's syntax tree, so a lazy
+`import` inside a function counts as much as one at the top."""
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).parent.parent
 LOWER = ("jaxsora.checkpoint", "jaxsora.data", "jaxsora.diffusion", "jaxsora.parallel", "jaxsora.models", "jaxsora.io")
 # What a checkpoint may stand on: every command reads checkpoints, so they import nothing of a command.
-CHECKPOINT_FLOOR = ("jaxsora", "jaxsora.checkpoint", "jaxsora.errors", "jaxsora.io", "jaxsora.parallel")
+CHECKPOINT_FLOOR = ("jaxsora", "jaxsora.checkpoint", "jaxsora.errors", "jaxsora.io", "jaxsora.parallel",
+                    "jaxsora.lazy_imports")
 # Sampling, conversion and the checkpoint tools: an inference machine runs them without the trainer.
 # (tools.search_bs compiles the train step: it is the trainer's.)
 NOT_TRAIN = ("jaxsora.convert", "jaxsora.infer", "jaxsora.serve", "jaxsora.sample", "jaxsora.ckpt", "jaxsora.runs",

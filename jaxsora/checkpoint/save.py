@@ -13,6 +13,7 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from jaxsora import lazy_imports
 from jaxsora.checkpoint.fingerprint import device_fingerprints, fetch_fingerprints
 from jaxsora.checkpoint.integrity import _integrity_doc, _json_digest
 from jaxsora.checkpoint.layout import (
@@ -53,6 +54,7 @@ class Checkpointer:
         if keep is not None and keep < 0:
             raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
         install_noise_filters()
+        lazy_imports.install()  # orbax's threads import while the loader may import grain (jaxsora.lazy_imports)
         self.directory = os.path.abspath(directory)
         self._key = os.path.realpath(self.directory)  # for _REPLACE_STEPS
         self.keep = None if not keep else int(keep)  # orbax: max_to_keep=0 would delete every step

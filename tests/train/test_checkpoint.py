@@ -109,22 +109,27 @@ def test_device_fingerprint_equals_host_fingerprint(dtype):
     for shape, spec in [((), P()), ((5,), P()), ((16, 3), P("fsdp")), ((8, 4, 5), P(None, None))]:
         x = jnp.asarray(rng.standard_normal(shape) * 100).astype(dtype)
         arr = jax.device_put(x, NamedSharding(mesh, spec))
-        names, info, dev = fp.device_fingerprints({"a": arr})
+        names, info, dev = fp.device_fingerprints({"a": arr}, on_host=False)
         assert names == ["a"] and info == [dict(shape=list(shape), dtype=dtype)]
+        assert isinstance(dev[0], jax.Array)  # the jitted program ran
         assert fp.fetch_fingerprints(dev) == [fp.format_fingerprint(fp.host_fingerprint(np.asarray(x)))], shape
+        # by default CPU arrays held whole are read with numpy: the same record
+        auto = fp.device_fingerprints({"a": arr})
+        assert isinstance(auto[2][0], np.ndarray) and fp.fetch_fingerprints(auto[2]) == fp.fetch_fingerprints(dev)
 
 
 def test_fingerprint_of_8_byte_dtypes_with_x64():
     with jax.enable_x64(True):
         for dtype in ("float64", "int64", "uint64"):
             x = (np.arange(-6, 6).reshape(3, 4) * 1e9 + 0.25).astype(dtype)
-            dev = fp.fetch_fingerprints(fp.device_fingerprints([jnp.asarray(x)])[2])
+            dev = fp.fetch_fingerprints(fp.device_fingerprints([jnp.asarray(x)], on_host=False)[2])
             assert dev == [fp.format_fingerprint(fp.host_fingerprint(x))], dtype
 
 
 def test_fingerprint_is_layout_independent_and_position_sensitive():
     x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
-    fps = {fp.fetch_fingerprints(fp.device_fingerprints([jax.device_put(x, NamedSharding(_mesh(n), spec))])[2])[0]
+    fps = {fp.fetch_fingerprints(fp.device_fingerprints([jax.device_put(x, NamedSharding(_mesh(n), spec))],
+                                                        on_host=False)[2])[0]
            for n, spec in [(1, P()), (8, P("fsdp")), (8, P(None, "fsdp")), (4, P("fsdp"))]}
     assert len(fps) == 1  # the same on every mesh and sharding
     base = fp.host_fingerprint(x)
@@ -142,7 +147,7 @@ def test_fingerprint_function_traces_once_per_tree(tmp_path):
     fn = fp._fingerprint_fn(leaves)
     before = fn._cache_size()
     for k in (2, 3, 4):
-        fp.device_fingerprints(_state(k, mesh))
+        fp.device_fingerprints(_state(k, mesh), on_host=False)
     assert fn._cache_size() - before <= 1
 
 
