@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-as-path", action="store_true", help="name the files after the prompts")
     g.add_argument("--verbose", type=int, default=1, help="0: quiet, 1: progress bars (default)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars (the other messages stay)")
+    g.add_argument("--compilation-cache", metavar="DIR", default=None,
+                   help="jax's persistent compilation cache: each sampling shape compiles once across runs "
+                        "(default: the trainer's <outputs>/jax_cache beside the run folder, when it exists; "
+                        "'none': no cache; JAX_COMPILATION_CACHE_DIR, when set, wins)")
     g.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     return ap
 
@@ -163,6 +167,24 @@ def make_settings(args, run_config: dict | None):
     if args.flow is not _UNSET:
         kw["flow"] = args.flow
     return default_settings(run_config, **kw)
+
+
+def _use_compilation_cache(given: str | None, step_dir: str) -> None:
+    """Point jax's persistent compilation cache at `given` ('none': off) or, by default, at the cache the
+    trainer keeps for its runs (`<outputs>/jax_cache`, beside a run folder `<outputs>/<run>` whose
+    checkpoints/<step> this is) when that folder exists; before anything compiles. JAX_COMPILATION_CACHE_DIR
+    (already in jax's config) wins."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    if given is None:
+        folder = os.path.dirname(os.path.abspath(step_dir))
+        given = os.path.join(os.path.dirname(os.path.dirname(folder)), "jax_cache")
+        if os.path.basename(folder) != "checkpoints" or not os.path.isdir(given):
+            return
+    if given.lower() != "none":
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(given))
 
 
 def _start_distributed(args) -> None:
@@ -231,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsora.infer.pipeline import Pipeline, default_mesh, find_step_dir, read_run_config, write_samples
 
     step_dir = find_step_dir(ckpt, args.step)
+    _use_compilation_cache(args.compilation_cache, step_dir)
     run_config = read_run_config(step_dir)
     settings = make_settings(args, run_config)
     # Everything about the settings is checked before any weight is read.

@@ -4,6 +4,7 @@ config's defaults; every user mistake as one line on stderr with exit code 2."""
 import concurrent.futures as cf
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -16,9 +17,9 @@ from tests.conftest import REPO
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
 
-def sample(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "jaxsora.sample", *map(str, args)], env=ENV, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+def sample(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "jaxsora.sample", *map(str, args)], env=env or ENV,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def _frames(path):
@@ -56,11 +57,17 @@ def test_converted_checkpoint_sizes_and_lengths(converted, tiny_vae, tmp_path):
 
 def test_run_folder_defaults_and_prompt_file(run, tmp_path):
     """A training run folder: VAE, text encoder and the 32×32 8-frame size come from its config;
-    --prompt-file (alias of --prompt-path) and --out (alias of --save-dir) still work."""
+    --prompt-file (alias of --prompt-path) and --out (alias of --save-dir) still work; the trainer's
+    compilation cache beside the run folder is the sampler's."""
     (tmp_path / "prompts.txt").write_text("wave 0.50\n\nwave 1.50\n")
+    # the trainer's compilation cache beside the run folder keeps the sampler's programs (no cache variable set)
+    cache = pathlib.Path(run).parent / "jax_cache"
+    cache.mkdir(exist_ok=True)
+    env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     r = sample("--ckpt", os.path.join(run, "checkpoints"), "--prompt-file", tmp_path / "prompts.txt", "--out",
-               tmp_path / "o", "--num-sampling-steps", 2, "--dp-size", 1, "--num-sample", 2, "--no-ema")
+               tmp_path / "o", "--num-sampling-steps", 2, "--dp-size", 1, "--num-sample", 2, "--no-ema", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert list(cache.glob("jit__denoise_impl-*")), sorted(p.name for p in cache.iterdir())
     names = sorted(os.listdir(tmp_path / "o"))
     assert names == [f"sample_000{i}-{k}.{e}" for i in (0, 1) for k in (0, 1) for e in ("json", "mp4")]
     assert _frames(str(tmp_path / "o" / "sample_0001-1.mp4")).shape == (8, 32, 32, 3)
