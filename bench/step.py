@@ -258,41 +258,32 @@ t, h, w = a["latent"]
 x = rng.standard_normal((b, cfg["in_channels"], t, h, w)).astype(np.float32)
 y = rng.standard_normal((b, 1, L, cfg["caption_channels"])).astype(np.float32)
 mask = (np.arange(L)[None] < np.asarray(a["caption_lengths"])[:, None]).astype(np.int64)
-def step():
+def grads_of_one_batch():
     noise = rng.standard_normal(x.shape).astype(np.float32)
     tt = rng.uniform(0, 1000, b).astype(np.float32)
     loss, grads = R.training_loss(model, x, noise, tt, y, mask, grad=True)
     for n, p in model.named_parameters():
         if n in grads:
             p.grad = torch.from_numpy(grads[n])
+def update():
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
     update_ema()
+def step():
+    grads_of_one_batch(); update()
 step(); step()
 ts = []
 for _ in range(a["steps"]):
     t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
 out = dict(step_s=float(np.median(ts)), threads=torch.get_num_threads())
 if a.get("profile"):
-    # matmul self time from torch.profiler; the update (clip, AdamW, EMA) timed around its calls
+    # matmul self time from torch.profiler; the update (clip, AdamW, EMA) timed around its call
     from torch.profiler import ProfilerActivity, profile
     upd = []
-    def timed_update():
-        t0 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True)
-        update_ema()
-        upd.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            t0 = time.perf_counter()
-            noise = rng.standard_normal(x.shape).astype(np.float32)
-            tt = rng.uniform(0, 1000, b).astype(np.float32)
-            loss, grads = R.training_loss(model, x, noise, tt, y, mask, grad=True)
-            for n, p in model.named_parameters():
-                if n in grads:
-                    p.grad = torch.from_numpy(grads[n])
-            timed_update()
+            grads_of_one_batch()
+            t0 = time.perf_counter(); update(); upd.append(time.perf_counter() - t0)
     mm = sum(e.self_cpu_time_total for e in prof.key_averages()
              if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
                           "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward"))
