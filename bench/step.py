@@ -125,6 +125,11 @@ def inputs(cfg, s: Shape, mesh):
     return host_to_global(text_length.cut(host, n), mesh)
 
 
+def progress(msg: str) -> None:
+    """A line on stderr as the run goes (the table comes at the end): where a run cut short by a timeout was."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     import jax
 
@@ -146,7 +151,9 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     step = TrainStep(fn, plan)
     batch = inputs(cfg, s, mesh)
     spec = abstract_of(batch)
+    progress(f"{s.name}: compiling the step (norm guard {norm_guard:g})")
     info = step.compile(spec, {})
+    progress(f"{s.name}: compiled in {info.seconds:.1f} s; initializing the state")
     state = init_state_sharded(plan)
     for _ in range(2):  # warm-up (allocations, caches)
         state, m = step(state, batch, {})
@@ -157,6 +164,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
         state, m = step(state, batch, {})
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
+        progress(f"{s.name}: step {len(times)}/{args.steps} {times[-1]:.4f} s")
     dt = float(np.median(times))
     breakdown = None
     if args.profile:
@@ -302,6 +310,7 @@ def bench_reference(s: Shape, args) -> dict:
     harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(REF_SCRIPT)
+    progress(f"{s.name}: timing the Open-Sora step")
     out = subprocess.run([args.reference, f.name, payload], capture_output=True, text=True,
                          env={**os.environ, "REFHARNESS": harness})
     os.unlink(f.name)

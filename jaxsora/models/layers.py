@@ -194,9 +194,7 @@ def attention(
     """
     scale = q.shape[-1] ** -0.5
     if impl == "cudnn":
-        out = jax.nn.dot_product_attention(
-            q, k, v, scale=scale, key_value_seq_lengths=kv_lengths, implementation="cudnn"
-        )
+        out = _cudnn_attention(q, k, v, scale, kv_lengths)
     else:
         bias = None
         if kv_lengths is not None:
@@ -209,6 +207,41 @@ def attention(
     if kv_lengths is not None:
         out = jnp.where((kv_lengths > 0)[:, None, None, None], out, 0)
     return out
+
+
+def even_padded(attn, q, k, v, kv_lengths):
+    """Run `attn(q, k, v, kv_lengths)` on sequences padded to even lengths, and cut its output back.
+
+    jax's cuDNN attention refuses to differentiate odd sequence lengths (jax 0.10–0.11:
+    `check_is_flash_attention` treats the placeholder it passes for "no bias" as a bias, and a
+    bias needs even lengths in training) — and STDiT3's are odd at every stage resolution
+    (240p: 15×27 = 405 spatial tokens; 51 frames: 15 latent frames; the text buckets). One zero
+    query row is appended (its output is dropped) and one zero key (masked by the key lengths),
+    so the result is attention over the original sequences.
+    q: [B, Nq, H, Dh], k/v: [B, Nk, H, Dh]; kv_lengths: [B] or None → [B, Nq, H, Dh]."""
+    nq, nk = q.shape[1], k.shape[1]
+    if nq % 2 == 0 and nk % 2 == 0:
+        return attn(q, k, v, kv_lengths)
+
+    def pad(a):
+        return jnp.pad(a, [(0, 0), (0, a.shape[1] % 2), (0, 0), (0, 0)])
+
+    if nk % 2 and kv_lengths is None:
+        kv_lengths = jnp.full((k.shape[0],), nk, jnp.int32)
+    return attn(pad(q), pad(k), pad(v), kv_lengths)[:, :nq]
+
+
+def _cudnn_attention(q, k, v, scale, kv_lengths):
+    if kv_lengths is not None:
+        # cuDNN's backward returns garbage for a row with no valid key (seen on an H200, jax 0.11.2); such rows
+        # are zeroed after the call, so one key changes nothing but keeps their gradient zero.
+        kv_lengths = jnp.maximum(kv_lengths, 1)
+
+    def attn(q, k, v, kv_lengths):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_lengths,
+                                            implementation="cudnn")
+
+    return even_padded(attn, q, k, v, kv_lengths)
 
 
 @jax.custom_vjp

@@ -1,0 +1,98 @@
+"""Attention at STDiT3's odd sequence lengths.
+
+jax's cuDNN attention cannot be differentiated at odd lengths, and STDiT3's are odd at every stage
+resolution (240p: 405 spatial tokens, 51 frames: 15 latent frames, text buckets); `even_padded`
+runs it on sequences padded to even lengths. On CPU its padding is checked around the XLA core
+(the same function, so it must give the same numbers); on a GPU, cuDNN itself against XLA.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxsora.convert import from_torch_state_dict, read_state_dict
+from jaxsora.diffusion import rflow
+from jaxsora.models import layers as L
+from jaxsora.models.presets import get_model_config
+from tests.conftest import FIXTURES, rel_err
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention runs on a GPU only")
+
+# (query length, key length, key lengths per sample or None)
+CASES = [(9, 9, None), (15, 8, None), (6, 7, [7, 3]), (9, 7, [0, 5]), (8, 8, [8, 2])]
+
+
+def _qkv(nq, nk, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, nq, 2, 8))
+    k, v = (rng.standard_normal((2, nk, 2, 8)) for _ in range(2))
+    return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
+
+
+def _loss(fn, w):
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+
+
+@pytest.mark.parametrize("nq,nk,lengths", CASES)
+def test_even_padded_is_attention_over_the_original_sequences(nq, nk, lengths):
+    seen = []
+
+    def core(q, k, v, kv_lengths):  # the XLA path, recording the lengths it is given
+        seen.append((q.shape[1], k.shape[1]))
+        return L.attention(q, k, v, impl=None, kv_lengths=kv_lengths)
+
+    q, k, v = _qkv(nq, nk)
+    lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    padded = lambda q, k, v: L.even_padded(core, q, k, v, lens)  # noqa: E731
+    plain = lambda q, k, v: L.attention(q, k, v, impl=None, kv_lengths=lens)  # noqa: E731
+    out = padded(q, k, v)
+    assert out.shape == q.shape
+    assert all(a % 2 == 0 and b % 2 == 0 for a, b in seen), seen
+    assert rel_err(out, plain(q, k, v)) <= 1e-6
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    g_pad = jax.grad(_loss(padded, w), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(_loss(plain, w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_pad, g_ref):
+        assert rel_err(a, b) <= 1e-6
+
+
+@on_gpu
+@pytest.mark.parametrize("nq,nk,lengths", CASES)
+def test_cudnn_attention_and_its_gradients_at_odd_lengths(nq, nk, lengths):
+    q, k, v = _qkv(nq, nk, jnp.bfloat16, seed=nq * 31 + nk)
+    lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    cudnn = lambda q, k, v: L.attention(q, k, v, impl="cudnn", kv_lengths=lens)  # noqa: E731
+    # the reference: the XLA path in float32 on the same (bf16-rounded) inputs
+    xla32 = lambda q, k, v: L.attention(*(a.astype(jnp.float32) for a in (q, k, v)), impl=None,  # noqa: E731
+                                        kv_lengths=lens)
+    assert rel_err(jax.jit(cudnn)(q, k, v).astype(jnp.float32), xla32(q, k, v)) <= 1e-2
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    g = jax.jit(jax.grad(_loss(cudnn, w), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.grad(_loss(xla32, w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g, g_ref):
+        assert rel_err(a.astype(jnp.float32), b) <= 2e-2
+
+
+@on_gpu
+def test_bf16_stdit3_trains_with_cudnn_at_odd_lengths():
+    """The tiny STDiT3 in bf16 with attention "auto" (cuDNN on a GPU): 3 latent frames, 3×3 spatial
+    tokens and a 7-token caption, all odd — its loss and gradients against the XLA path's."""
+    G = np.load(FIXTURES / "rflow_golden.npz")
+    sd = read_state_dict(str(FIXTURES / "stdit3_tiny_ref.safetensors"))
+    x0, noise = (G[k][:, :, :3, :6, :6] for k in ("loss_x0", "loss_noise"))
+    cond = dict(y=G["loss_y"][:, :, :7], mask=G["loss_mask"][:, :7], fps=G["loss_fps"], height=G["loss_h"],
+                width=G["loss_w"])
+
+    def loss_and_grads(impl):
+        model = from_torch_state_dict(sd, get_model_config("tiny", compute_dtype="bfloat16", attention_impl=impl))
+        fn = lambda m: rflow.training_loss_explicit(m, x0, cond, noise, G["loss_t"]).mean()  # noqa: E731
+        loss, grads = nnx.jit(nnx.value_and_grad(fn))(model)
+        return float(loss), jax.tree.leaves(nnx.to_pure_dict(grads))
+
+    assert L.resolve_attention_impl("auto", jnp.bfloat16, 16) == "cudnn"
+    loss, grads = loss_and_grads("auto")
+    loss_ref, grads_ref = loss_and_grads("xla")
+    assert np.isfinite(loss) and abs(loss - loss_ref) <= 1e-2 * abs(loss_ref)
+    assert rel_err(np.concatenate([np.ravel(g) for g in grads]),
+                   np.concatenate([np.ravel(g) for g in grads_ref])) <= 5e-2
