@@ -109,42 +109,33 @@ def make_train_step(
 
         return jax.value_and_grad(loss_fn)(state.params)
 
-    # One jitted function, so that the step traces the optimizer once although it calls it twice (the guard's
-    # proposal and the applied update; XLA inlines both calls, so the compiled step is the same): the optimizer
-    # is per-array work, and its second trace was 4,051 of the demo step's 11,060 traced equations.
-    @jax.jit
-    def optimizer_update(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
     def step(state: TrainState, batch: dict, encoders=None):
         loss, grads = loss_and_grads(state, batch, encoders)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        def propose(state):
-            return optimizer_update(state.params, state.opt_state, grads)
-
         old_norm = weight_norm(state.params)
         growth = jnp.ones((), jnp.float32)
-        new_norm = None
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_norm = weight_norm(params)
         if max_norm_growth > 0:
-            # The proposed parameters only feed this norm (XLA fuses them into the reduction); the
-            # applied ones are recomputed in `apply`, so no second copy of params and moments is live.
-            new_norm = weight_norm(propose(state)[0])
             growth = new_norm / jnp.maximum(old_norm, jnp.finfo(jnp.float32).tiny)
             ok = ok & jnp.isfinite(new_norm) & (growth <= max_norm_growth)
+        # A rejected step leaves the state as it was: every array picks its old value by the scalar `ok`, from
+        # one computed update. Measured against a lax.cond whose branch recomputed the update (the compiled
+        # XLA:CPU step at bench/step.py's shapes): the select needs as much scratch memory as no guard at all
+        # at `realistic` and `240p` (0.696 and 1.095 GiB, the cond 0.761 and 1.347) and less at `wide` (1.144,
+        # the cond 1.325), and runs 3-4% faster; the outputs still reuse the donated state's buffers. The two
+        # differ in rounding only; the demo judged over two data/init seeds: colour 92/96, motion 90/96 with
+        # the select, 95/96 and 88/96 with the cond (issue #24's note of 2026-11-26).
+        def pick(new, old):
+            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
-        def apply(state):
-            params, opt_state = propose(state)
-            return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                 ema=ema_update(state.ema, params, ema_decay))
-
-        # A rejected step leaves the state as it was: one branch runs (no per-array select over
-        # params, moments and EMA), and the donated buffers pass through.
-        new_state = jax.lax.cond(ok, apply, lambda state: state, state)
-        # The applied parameters are the proposed ones (or the old ones): their norm is known already.
-        norm = weight_norm(new_state.params) if new_norm is None else jnp.where(ok, new_norm, old_norm)
+        new_state = state.replace(step=jnp.where(ok, state.step + 1, state.step), params=pick(params, state.params),
+                                  opt_state=pick(opt_state, state.opt_state),
+                                  ema=pick(ema_update(state.ema, params, ema_decay), state.ema))
+        norm = jnp.where(ok, new_norm, old_norm)  # the applied parameters' norm
         metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=norm,
                        lr=lr_fn(state.step), nonfinite=(~ok).astype(jnp.int32), step=new_state.step,
                        norm_growth=growth)
