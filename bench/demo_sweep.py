@@ -27,11 +27,11 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 # name -> (synthetic-set flags, config assignments (python, `c` is the demo config), steps).
-# `base` is the demo as `make demo` runs it (shapes start at the centre: motion 46/48 on the held-out captions
-# after 1,200 steps). The others change one or two things of the demo on the set it had before, where
-# shapes start anywhere on a wrapping frame (ANYWHERE); issue #22's note of 2026-11-26 gives what each scored
-# there (sampled at guidance 7, the demo's then): all at chance for motion, the last being the "does it ever"
-# bound.
+# `base` is the demo as `make demo` runs it (shapes start at the centre: motion 43-47/48 on the held-out
+# captions after 1,200 steps, over two data/init seeds). The others change one or two things of the demo on
+# the set it had before, where shapes start anywhere on a wrapping frame (ANYWHERE); issue #22's note of
+# 2026-11-26 gives what each scored there (sampled at guidance 7, the demo's then): all at chance for motion,
+# the last being the "does it ever" bound.
 ANYWHERE = ["--start", "anywhere", "--travel", "0.8"]  # the set's travel then; a later --travel wins
 BATCH16 = 'c.data.bucket_config = {"demo32": {1: (1.0, 8), 8: (1.0, 16)}}'
 I2V = "c.mask_ratios = dict(image_head=0.5, image_tail=0.1, quarter_head=0.1, random=0.1)"

@@ -52,7 +52,7 @@ RADIUS = 0.2
 # - "centre": within START_JITTER of the frame's centre on both axes, moving outward the way its caption
 #   says. A first frame says nothing of the direction, yet where the shape is over the clip (right of
 #   the centre for "right") follows the word: a demo model learns the direction word (`make demo`:
-#   motion 46/48 on the held-out captions after 1,200 steps).
+#   motion 43-47/48 on the held-out captions after 1,200 steps, over two data/init seeds).
 # - "anywhere": anywhere on a frame that wraps around (a torus: what leaves one border comes back at the
 #   other). Neither the first frame nor the clip's place tells the direction, only the order of its
 #   frames; STDiT3 has no absolute time embedding, and the demo model never took the direction from
