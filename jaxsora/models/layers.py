@@ -215,7 +215,7 @@ def even_padded(attn, q, k, v, kv_lengths):
     jax's cuDNN attention refuses to differentiate odd sequence lengths (jax 0.10–0.11:
     `check_is_flash_attention` treats the placeholder it passes for "no bias" as a bias, and a
     bias needs even lengths in training) — and STDiT3's are odd at every stage resolution
-    (240p: 15×27 = 405 spatial tokens; 51 frames: 15 latent frames; the text buckets). One zero
+    (240p: 15×27 = 405 spatial tokens; 51 frames: 15 latent frames; captions cut to 75 tokens). One zero
     query row is appended (its output is dropped) and one zero key (masked by the key lengths),
     so the result is attention over the original sequences.
     q: [B, Nq, H, Dh], k/v: [B, Nk, H, Dh]; kv_lengths: [B] or None → [B, Nq, H, Dh]."""
