@@ -37,6 +37,7 @@ PROG = "jaxsora.runs"
 INTEGRITY_FILE = "integrity.json"  # jaxsora.checkpoint's completion marker
 INVOCATIONS = "invocations.jsonl"  # <run>/invocations.jsonl: one line per start or resume of the run
 CLAIMS_DIR = ".run_numbers"  # <outputs>/.run_numbers/<NNN>: the numbers handed out
+COMPILATION_CACHE = "jax_cache"  # <outputs>/jax_cache: jax's persistent compilation cache (trainer, sampler)
 _NUMBERED = re.compile(r"^(\d+)-")
 
 

@@ -176,11 +176,13 @@ def _use_compilation_cache(given: str | None, step_dir: str) -> None:
     (already in jax's config) wins."""
     import jax
 
+    from jaxsora.runs import COMPILATION_CACHE
+
     if jax.config.jax_compilation_cache_dir:
         return
     if given is None:
         folder = os.path.dirname(os.path.abspath(step_dir))
-        given = os.path.join(os.path.dirname(os.path.dirname(folder)), "jax_cache")
+        given = os.path.join(os.path.dirname(os.path.dirname(folder)), COMPILATION_CACHE)
         if os.path.basename(folder) != "checkpoints" or not os.path.isdir(given):
             return
     if given.lower() != "none":

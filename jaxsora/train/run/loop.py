@@ -80,7 +80,9 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
     # The persistent compilation cache: shared by every experiment under the outputs folder, unless
     # one is already set (JAX_COMPILATION_CACHE_DIR).
     if tcfg.get("compilation_cache", True) and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(tcfg.outputs), "jax_cache"))
+        from jaxsora.runs import COMPILATION_CACHE
+
+        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.abspath(tcfg.outputs), COMPILATION_CACHE))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
     if opts.dry_run:
