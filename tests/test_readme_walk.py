@@ -5,7 +5,7 @@ working fails CI; so does a command the walk does not know (each one is walked o
 in `WALK` below) and a `WALK` entry the README lost.
 
 What the walk changes in a command is written beside it, and is of three kinds only: the stage configs
-become `configs/demo.py` with a few steps (`TRAIN_FAST`: a CPU cannot run XL/2 at 240p), the README's
+become `configs/demo.py` with a step or two (`TRAIN_FAST`, `TRAIN_ONE`: a CPU cannot run XL/2 at 240p), the README's
 example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded weights) become what the walk's
 earlier commands made, and sizes that a 32×32 synthetic set cannot meet (`--frames-min 51`) shrink.
 The inputs a user brings — a table of their own files (`raw.csv`), prompts, a reference image — are
@@ -31,9 +31,11 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 
-# A stage config at a size a CPU runs in seconds: 2 steps, a checkpoint at every step (0, 1, 2).
+# A stage config at a size a CPU runs in seconds: 2 steps, a checkpoint at every step (0, 1, 2) for the runs
+# the walk averages; one step (checkpoints 0 and 1: a run saves at its start and its end) for the others.
 TRAIN_FAST = "--config.train.max_steps=2 --config.train.ckpt_every=1 --config.train.log_every=1"
 TRAIN_FAST_4 = TRAIN_FAST.replace("max_steps=2", "max_steps=4")  # a resume: two more steps
+TRAIN_ONE = "--config.train.max_steps=1 --config.train.log_every=1"
 STAGE_CONFIGS = {"configs/stage1.py": "configs/demo.py", "configs/lambda/stage1.py": "configs/demo.py",
                  "configs/lambda/stage2.py": "configs/demo.py", "configs/lora_example.py": "configs/demo.py"}
 QUICK_START = {**STAGE_CONFIGS, "data/meta.csv": "meta.csv"}  # the table data_tools.meta wrote
@@ -96,7 +98,7 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("data_tools.stats --input data/train.csv", Walk(STAGE_CONFIGS, chain="data")),
     # --- Training (README: the quick start, then the Lambda recipe with its example names).
     ("--data-path data/meta.csv\n", Walk(QUICK_START, TRAIN_FAST, R1)),
-    ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(QUICK_START, TRAIN_FAST, R2)),
+    ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(QUICK_START, TRAIN_ONE, R2)),
     ("--data-path data/meta.csv --dry-run", Walk(QUICK_START)),
     ("--data-path data/meta.csv --load 656", Walk({**QUICK_START, "--load 656": "--load 1"}, TRAIN_FAST_4,
                                                   R1 + "/checkpoints/4")),
@@ -104,9 +106,9 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("lambda/stage1.py --data-path OpenVid1M.csv", Walk(
         {**LAMBDA, "pretrained_models/PixArt-Sigma-XL-2-2K-MS.pth": R1 + "/checkpoints"}, TRAIN_FAST, R3)),
     ("--ckpt-path outputs_speedrun/001-lambda-stage1/checkpoints", Walk(
-        {**LAMBDA, "outputs_speedrun/001-lambda-stage1": R3}, TRAIN_FAST, R4)),
-    ("--data-path OpenVid1M.csv --load 2", Walk({**LAMBDA, "--load 2": "--load 4"}, TRAIN_FAST_4,
-                                               R4 + "/checkpoints/4")),
+        {**LAMBDA, "outputs_speedrun/001-lambda-stage1": R3}, TRAIN_ONE, R4)),
+    ("--data-path OpenVid1M.csv --load 2", Walk({**LAMBDA, "--load 2": "--load 4"}, TRAIN_FAST,
+                                               R4 + "/checkpoints/2")),
     ("hosts.txt preflight", SKIP_CLUSTER),
     ("launch --run outputs/s1", SKIP_CLUSTER),
     ("hosts.txt status", SKIP_CLUSTER),
@@ -146,10 +148,10 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 4 --no-progress"},
                        "--config.train.device_memory_gib=0.3", expect="bs.json", chain="tools",
                        check=_search_found_the_boundary)),
-    ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_FAST, T1, chain="tools")),
+    ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_ONE, T1, chain="tools")),
     ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
                                               "heldout.csv": "splits/val.csv", "eval.every=1000": "eval.every=1"},
-                                             TRAIN_FAST, T2 + "/eval.jsonl", chain="tools")),
+                                             TRAIN_ONE, T2 + "/eval.jsonl", chain="tools")),
     ("to-torch outputs/stage1/checkpoints", Walk({"outputs/stage1": T2, "[--ema] [--dtype bf16]": "--ema --dtype bf16"},
                                                  expect="stdit3.pth", chain="tools")),
     ("from-torch PixArt-Sigma-XL-2-2K-MS.pth", Walk({"PixArt-Sigma-XL-2-2K-MS.pth ckpt/": "stdit3.pth ckpt_pth/",
@@ -157,16 +159,16 @@ WALK: list[tuple[str, Walk | Skip]] = [
     # LoRA on the Open-Sora state dict exported above (the README: Open-Sora's released weights).
     ("configs/lora_example.py", Walk({**STAGE_CONFIGS, "clips.csv": "splits/train.csv",
                                       "pretrained_models/OpenSora-STDiT-v3/model.safetensors": "stdit3.pth"},
-                                     TRAIN_FAST, T3, chain="tools")),
+                                     TRAIN_ONE, T3, chain="tools")),
     ("lora merge", Walk({"outputs/013-lora": T3}, expect="merged", chain="tools")),
     ("lora export-adapters", Walk({"outputs/013-lora": T3}, expect="adapters/adapter_config.json", chain="tools")),
     ("precompute --input meta.csv --text-encoder", Walk(STAGE_CONFIGS, "--no-progress", expect="t5cache",
                                                         chain="tools")),
-    ("--config.data.text_cache=t5cache/", Walk(STAGE_CONFIGS, TRAIN_FAST, T4, chain="tools")),
+    ("--config.data.text_cache=t5cache/", Walk(STAGE_CONFIGS, TRAIN_ONE, T4, chain="tools")),
     ("precompute --latents", Walk({**STAGE_CONFIGS,
                                    "--shard-size 256 --batch-size 16": "--shard-size 8 --batch-size 4"},
                                   "--no-progress", expect="feats/manifest.json", chain="tools")),
-    ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_FAST, T5, chain="tools")),
+    ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_ONE, T5, chain="tools")),
     ("bench/", Skip("benchmarks: timed by hand on a quiet machine (README, Benchmarks), never in CI")),
 ]
 # The README's Python example (the sampling API), run with the walk's first run as outputs/demo.

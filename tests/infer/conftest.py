@@ -41,12 +41,13 @@ def tiny_vae(tmp_path_factory):
 @pytest.fixture(scope="session")
 def run(tmp_path_factory):
     from jaxsora.train.run.loop import RunOptions, train
-    from tests.train.common import small_config
+    from tests.train.common import CUT_LENGTHS, small_config
     from tests.train.fake_loader import FakeLoader
 
     out = tmp_path_factory.mktemp("outputs")
     os.environ.setdefault("WANDB_MODE", "disabled")
-    cfg = small_config(out, max_steps=2, ckpt_every=2, mesh=(1, 1, 1), experiment="run")
+    # its data.text_lengths: the sampler cuts prompts as training cut batches (tests/infer/test_pipeline.py)
+    cfg = small_config(out, max_steps=2, ckpt_every=2, mesh=(1, 1, 1), experiment="run", text_lengths=CUT_LENGTHS)
     res = train(cfg, RunOptions(), loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp,
                                                                               per_device_batch=2, text_inputs=t))
     return res["outputs"]

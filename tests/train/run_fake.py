@@ -34,11 +34,12 @@ initialize()
 import jax  # noqa: E402
 
 from jaxsora.train.run.loop import NonFiniteError, RunOptions, train  # noqa: E402
-from tests.train.common import small_config  # noqa: E402
+from tests.train.common import CUT_LENGTHS, small_config  # noqa: E402
 from tests.train.fake_loader import FakeLoader  # noqa: E402
 
+# the captions cut (CUT_LENGTHS): the processes of a multi-process run agree on one length each step
 cfg = small_config(args.outputs, max_steps=args.max_steps, ckpt_every=args.ckpt_every,
-                   mesh=tuple(int(x) for x in args.mesh.split(",")))
+                   mesh=tuple(int(x) for x in args.mesh.split(",")), text_lengths=CUT_LENGTHS)
 if args.watchdog_min is not None:
     cfg.train.watchdog_min_seconds = args.watchdog_min
 

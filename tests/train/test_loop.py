@@ -14,7 +14,7 @@ import pytest
 
 from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 from tests.ports import free_port
-from tests.train.common import REPO, small_config
+from tests.train.common import CUT_LENGTHS, REPO, small_config
 from tests.train.fake_loader import DataStateMismatch, FakeLoader
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_fake.py")
@@ -67,7 +67,7 @@ def _assert_same(a, b):
 def reference_run(tmp_path_factory):
     """6 uninterrupted steps on one device; checkpoints every 3."""
     out = tmp_path_factory.mktemp("outputs")
-    res = _run(small_config(out, max_steps=6, ckpt_every=3, mesh=(1, 1, 1), experiment="ref"))
+    res = _run(small_config(out, max_steps=6, ckpt_every=3, mesh=(1, 1, 1), experiment="ref", text_lengths=CUT_LENGTHS))
     assert res["steps"] == 6 and np.isfinite(res["last_loss"])
     return out, res
 
@@ -105,7 +105,7 @@ def test_resume_after_sigkill_is_bit_exact(reference_run, tmp_path):
     for s in steps:
         if s > 3:
             shutil.rmtree(ck / str(s))
-    res = _run(small_config(tmp_path, max_steps=6, ckpt_every=3, mesh=(1, 1, 1)),
+    res = _run(small_config(tmp_path, max_steps=6, ckpt_every=3, mesh=(1, 1, 1), text_lengths=CUT_LENGTHS),
                RunOptions(load=str(tmp_path / "run")))
     assert res["steps"] == 6
     _assert_same(_params(str(out_ref / "ref"))[1], _params(str(tmp_path / "run"))[1])
@@ -164,7 +164,7 @@ def _logged_loss(run_dir, step):
 def test_loss_on_8_devices_equals_1_device(reference_run, tmp_path):
     """data 2 × fsdp 2 × sequence 2 (Ulysses) on 8 devices vs the 1-device reference run."""
     out_ref, _ = reference_run
-    _run(small_config(tmp_path, max_steps=2, mesh=(2, 2, 2), experiment="eight"))
+    _run(small_config(tmp_path, max_steps=2, mesh=(2, 2, 2), experiment="eight", text_lengths=CUT_LENGTHS))
     # Same global batch and keys; only float reduction order differs across devices. The step-2
     # loss is computed with the parameters after step 1, so it checks the sharded update too.
     # (Parameters themselves are not compared tightly: with Adam's eps = 1e-15, a near-zero gradient
@@ -174,16 +174,14 @@ def test_loss_on_8_devices_equals_1_device(reference_run, tmp_path):
 
 
 def test_captions_cut_to_their_valid_tokens_change_no_loss(reference_run, tmp_path, capsys):
-    """The reference run cuts its captions to 14 of 16 tokens (data.text_lengths, tests/train/common.py):
+    """The reference run cuts its captions to 14 of 16 tokens (CUT_LENGTHS, tests/train/common.py):
     the same run at the full 16 gives the same losses, and the cut shape is what the reference ran."""
     out_ref, _ = reference_run
-    cfg = small_config(tmp_path, max_steps=2, mesh=(1, 1, 1), experiment="full")
-    cfg.data.text_lengths = ()
-    _run(cfg)
+    _run(small_config(tmp_path, max_steps=2, mesh=(1, 1, 1), experiment="full"))  # the default: no text_lengths
     assert "captions of" not in capsys.readouterr().out  # nothing cut: every batch at the planned shape
     for step in (1, 2):
         assert _logged_loss(tmp_path / "full", step) == pytest.approx(_logged_loss(out_ref / "ref", step), rel=1e-6)
-    _run(small_config(tmp_path, max_steps=1, mesh=(1, 1, 1), experiment="cut"))
+    _run(small_config(tmp_path, max_steps=1, mesh=(1, 1, 1), experiment="cut", text_lengths=CUT_LENGTHS))
     assert "captions of 14 tokens" in capsys.readouterr().out  # the shape the reference run ran
 
 
