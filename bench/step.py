@@ -6,6 +6,7 @@ devices); with `--reference`, the real Open-Sora PyTorch step at the same shape,
     python bench/step.py --shapes realistic,wide,240p --reference /tmp/refenv/bin/python
     python bench/step.py --shapes h100                           # XL/2 240p×51 (remat) and 3B/2, bf16
     python bench/step.py --shapes realistic --reference /tmp/refenv/bin/python --profile   # where the time goes
+    python bench/step.py --shapes realistic --profile --profile-top 30   # ... and its costliest non-matmul thunks
     python bench/step.py --model STDiT3-XL/2 --latent 15x30x53 --batch 4 --dtype bfloat16 --remat full
 
 Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
@@ -168,7 +169,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     dt = float(np.median(times))
     breakdown = None
     if args.profile:
-        state, breakdown = profile_jax(step, state, batch)
+        state, breakdown = profile_jax(step, state, batch, args.profile_top)
     model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
     n_dev = mesh.devices.size
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
@@ -187,7 +188,8 @@ PROFILED_STEPS = 3
 
 
 def _hlo_instructions(hlo: str) -> dict:
-    """name → (op_name metadata, whether it is or fuses a dot) for every instruction of a compiled HLO text."""
+    """name → (op_name metadata, whether it is or fuses a dot, result shape) for every instruction of a compiled
+    HLO text."""
     bodies, cur, out = {}, None, {}
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -205,16 +207,17 @@ def _hlo_instructions(hlo: str) -> dict:
             called = re.search(r"calls=%?([\w.\-]+)", line)
             fused = bodies.get(called.group(1), []) if called else []
             is_dot = m.group(2) in ("dot", "convolution") or any(re.search(r" (dot|convolution)\(", f) for f in fused)
-            out[m.group(1)] = (op_name.group(1) if op_name else "", is_dot)
+            shape = line.split(" = ", 1)[1].split(" ", 1)[0]
+            out[m.group(1)] = (op_name.group(1) if op_name else "", is_dot, shape)
     return out
 
 
-def profile_jax(step, state, batch) -> tuple:
+def profile_jax(step, state, batch, top: int = 0) -> tuple:
     """Where one step's time goes: XLA:CPU's per-thunk trace (jax.profiler) of PROFILED_STEPS steps, each thunk
     named by its HLO instruction and put in a category by what it computes (a dot or not) and where (autodiff's
     forward `jvp(...)`, its backward `transpose(jvp(...))`, or neither: the norms, clipping, AdamW, the guard,
     EMA). ms per step, summed over thunks — XLA runs independent thunks side by side, so the sum can exceed the
-    step's wall time."""
+    step's wall time. top > 0: also print (stderr) the `top` costliest thunks that are not matmuls."""
     import glob
 
     import jax
@@ -227,16 +230,26 @@ def profile_jax(step, state, batch) -> tuple:
             jax.block_until_ready(m)
         data = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
     cats: dict = {}
+    per: dict = {}  # (category, instruction) → ms per step
     for plane in data.planes:
         for line in plane.lines:
             for ev in line.events:
                 if ev.name not in hlo:  # executor and thread-pool events, python frames
                     continue
-                op_name, is_dot = hlo[ev.name]
+                op_name, is_dot, _ = hlo[ev.name]
                 where = ("backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name
                          else "optimizer, norms, EMA")
                 key = where if where.startswith("optimizer") else f"{where} {'matmul' if is_dot else 'other'}"
-                cats[key] = cats.get(key, 0.0) + ev.duration_ns / 1e6 / PROFILED_STEPS
+                ms = ev.duration_ns / 1e6 / PROFILED_STEPS
+                cats[key] = cats.get(key, 0.0) + ms
+                per[key, ev.name] = per.get((key, ev.name), 0.0) + ms
+    if top:  # the costliest thunks outside the matmuls, and how many thunks each category runs
+        counts = {k: sum(1 for c, _ in per if c == k) for k in cats}
+        progress("thunks per category: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
+        rest = sorted(((ms, k, name) for (k, name), ms in per.items() if "matmul" not in k), reverse=True)
+        for ms, k, name in rest[:top]:
+            op_name, _, shape = hlo[name]
+            progress(f"  {ms:7.2f} ms  {k:<22} {name:<32} {shape:<28} {op_name[-60:]}")
     return state, cats
 
 
@@ -341,6 +354,8 @@ def main(argv=None):
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time the PyTorch step")
     ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (XLA:CPU's "
                     "per-thunk trace; with --reference, the PyTorch step's matmul time and its update's time)")
+    ap.add_argument("--profile-top", type=int, default=0, help="with --profile: also list this many of the "
+                    "costliest non-matmul thunks (stderr)")
     ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
                     "e.g. 0,2 (0: off; 2: the default)")
     args = ap.parse_args(argv)
