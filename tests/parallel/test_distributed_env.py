@@ -214,10 +214,13 @@ def test_the_train_command_reports_bad_settings_in_one_line(env, tmp_path):
 
 
 TWO_PROCESSES = """
+import sys
 import jax
 from jaxsora.parallel.distributed import initialize
 assert initialize() is True
-print("PROC", jax.process_index(), jax.process_count(), jax.device_count(), flush=True)
+# One write of the whole line (Gloo's threads log in the same pipe; print writes its newline apart when unbuffered)
+sys.stdout.write(f"PROC {jax.process_index()} {jax.process_count()} {jax.device_count()}\\n")
+sys.stdout.flush()
 """
 
 

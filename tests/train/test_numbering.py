@@ -203,17 +203,19 @@ def test_process_0_numbers_the_run_of_every_process(tmp_path):
     code = ("import sys\nfrom jaxsora.parallel.distributed import initialize\ninitialize()\n"
             "from ml_collections import ConfigDict\nfrom jaxsora.train.run.loop import _new_run_folder\n"
             "cfg = ConfigDict(dict(train=dict(outputs=sys.argv[1], experiment='multi')))\n"
-            "print(f'FOLDER {_new_run_folder(cfg)}', flush=True)\n")
+            "folder = _new_run_folder(cfg)\n"
+            "with open(sys.argv[2], 'w') as f:\n    f.write(str(folder))\n")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)],
+    answers = [tmp_path / f"answer{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out), str(answers[i])],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                                    "JAX_PROCESS_ID": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    # The answer on stdout, apart from stderr: Gloo's threads log there while the answer is printed, and in
-    # one stream a line of theirs once landed inside ours.
-    outs, errs = zip(*(p.communicate(timeout=300) for p in procs))
-    assert all(p.returncode == 0 for p in procs), errs[0][-3000:] + errs[1][-3000:]
-    assert all("FOLDER " in o for o in outs), f"a process exited 0 without its answer:\n{outs[0]}\n---\n{outs[1]}"
-    folders = [o.split("FOLDER ", 1)[1].split()[0] for o in outs]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    # Each answer in a file of its own: Gloo's threads log on stdout as well as stderr, and once a line of
+    # theirs landed inside a printed answer.
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    assert all(a.exists() for a in answers), f"a process exited 0 without its answer:\n{logs[0]}\n---\n{logs[1]}"
+    folders = [a.read_text() for a in answers]
     assert folders == [str(out / "042-multi")] * 2
     assert _numbered(out) == ["041-earlier", "042-multi"]  # one folder, made by process 0
