@@ -16,6 +16,7 @@ and written on the way out (`on_lost`): the step, the newest intact checkpoint, 
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
@@ -68,6 +69,15 @@ class PeerWatch(threading.Thread):
         self.timeout = float(timeout)
         self.interval = interval or min(5.0, self.timeout / 6)
         self.fired = threading.Event()
+        self.stopping = threading.Event()
+
+    def stop(self, wait: float = 10.0) -> None:
+        """End the watch and wait for its request in flight (at exit, before the interpreter finalizes: a
+        daemon thread that comes back from C++ after that is ended by a forced unwind, which jaxlib's
+        bindings catch and do not rethrow — `terminate called ...`, SIGABRT, on a run that succeeded)."""
+        self.stopping.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(wait)
 
     def _fire(self, lost: list, why: str) -> None:
         if self.fired.is_set():
@@ -93,7 +103,7 @@ class PeerWatch(threading.Thread):
         count = 0
         seen: dict[int, tuple[str | None, float]] = {}
         unreachable_since = None
-        while not self.fired.is_set():
+        while not (self.fired.is_set() or self.stopping.is_set()):
             now = time.monotonic()
             try:
                 count += 1
@@ -107,7 +117,7 @@ class PeerWatch(threading.Thread):
                         detail = " ".join(str(e).split())[:160]
                         self._fire([0], f"the coordination service it hosts stopped answering for "
                                         f"{self.timeout:.0f} s: {detail}")
-                time.sleep(self.interval)
+                self.stopping.wait(self.interval)
                 continue
             stale = []
             for i, v in values.items():
@@ -118,7 +128,7 @@ class PeerWatch(threading.Thread):
                     stale.append(i)
             if stale:
                 self._fire(stale, f"no sign of life for {self.timeout:.0f} s")
-            time.sleep(self.interval)
+            self.stopping.wait(self.interval)
 
 
 def start(num_processes: int, process_id: int) -> PeerWatch | None:
@@ -133,6 +143,9 @@ def start(num_processes: int, process_id: int) -> PeerWatch | None:
         return None
     _watch = PeerWatch(client, process_id, num_processes, _timeout())
     _watch.start()
+    # Registered after jax's own exit hook (at its import), so it runs first: the watch ends before jax
+    # shuts down its client and before the interpreter finalizes.
+    atexit.register(_watch.stop)
     return _watch
 
 
