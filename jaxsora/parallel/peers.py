@@ -17,6 +17,7 @@ and written on the way out (`on_lost`): the step, the newest intact checkpoint, 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import sys
@@ -29,6 +30,7 @@ from jaxsora.errors import EXIT_PEER_LOST
 TIMEOUT_ENV = "JAXSORA_PEER_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0  # seconds without a sign of life; below jax's heartbeat_timeout_seconds (100)
 _PREFIX = "jaxsora/alive/"
+EXITED = "exited"  # a process's last sign of life when it ends normally (never a counter)
 
 _lock = threading.Lock()
 _handler: Callable[[list, str], None] | None = None
@@ -72,12 +74,17 @@ class PeerWatch(threading.Thread):
         self.stopping = threading.Event()
 
     def stop(self, wait: float = 10.0) -> None:
-        """End the watch and wait for its request in flight (at exit, before the interpreter finalizes: a
-        daemon thread that comes back from C++ after that is ended by a forced unwind, which jaxlib's
-        bindings catch and do not rethrow — `terminate called ...`, SIGABRT, on a run that succeeded)."""
+        """End the watch (at exit: before jax shuts its client down and the interpreter finalizes) and say
+        so in the store. A daemon thread that comes back from jaxlib after finalization began is ended by a
+        forced unwind the bindings catch and do not rethrow (`terminate called ...`, SIGABRT) on a run that
+        succeeded. Its last word, `EXITED`, keeps the peers from taking its quiet counter for a loss while
+        they finish (this process may wait for them in jax's shutdown barrier far longer than `timeout`)."""
         self.stopping.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(wait)
+        if not self.fired.is_set():
+            with contextlib.suppress(Exception):  # the service (process 0) may be gone: nothing to tell
+                self.client.key_value_set(f"{_PREFIX}{self.me}", EXITED, allow_overwrite=True)
 
     def _fire(self, lost: list, why: str) -> None:
         if self.fired.is_set():
@@ -124,7 +131,7 @@ class PeerWatch(threading.Thread):
                 last, since = seen.get(i, (None, now))
                 if v != last:
                     seen[i] = (v, now)
-                elif v is not None and now - since >= self.timeout:  # counted before, stands still now
+                elif v not in (None, EXITED) and now - since >= self.timeout:  # counted before, stands still now
                     stale.append(i)
             if stale:
                 self._fire(stale, f"no sign of life for {self.timeout:.0f} s")

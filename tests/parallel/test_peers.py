@@ -4,7 +4,10 @@ succeeded: `terminate called after throwing an instance of ''`, seen on two-proc
 import threading
 import time
 
-from jaxsora.parallel.peers import PeerWatch
+import pytest
+
+from jaxsora.parallel import peers
+from jaxsora.parallel.peers import EXITED, PeerWatch
 
 
 class SlowStore:
@@ -23,6 +26,31 @@ class SlowStore:
 
     def key_value_dir_get(self, prefix):
         return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
+
+
+def test_stop_leaves_exited_as_the_last_word():
+    store = SlowStore(delay=0.0)
+    watch = PeerWatch(store, process_id=1, num_processes=2, timeout=60.0, interval=0.05)
+    watch.start()
+    assert store.first.wait(10)
+    watch.stop()
+    assert store.data["jaxsora/alive/1"] == EXITED
+
+
+@pytest.mark.parametrize("peer_says", ["7", EXITED])
+def test_a_still_counter_is_a_loss_and_an_exit_is_not(monkeypatch, peer_says):
+    lost = []
+    monkeypatch.setattr(peers, "default_handler", lambda who, why: lost.append((who, why)))
+    store = SlowStore(delay=0.0)
+    store.data["jaxsora/alive/1"] = peer_says  # process 1's word, standing still from the start
+    watch = PeerWatch(store, process_id=0, num_processes=2, timeout=0.3, interval=0.02)
+    watch.start()
+    watch.fired.wait(3.0)
+    watch.stop()
+    if peer_says == EXITED:  # ended normally: process 0 may take as long as it needs to finish
+        assert lost == [] and not watch.fired.is_set()
+    else:
+        assert lost and all(who == [1] and "no sign of life" in why for who, why in lost)
 
 
 def test_stop_waits_for_the_request_in_flight_and_ends_the_watch():
