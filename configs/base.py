@@ -58,6 +58,11 @@ def get_config():
         class_dropout_prob=0.1,
         input_sq_size=512,              # the 2D pos-emb's unit: positions scale by sqrt(H·W)/input_sq_size pixels
         fix_final_layer_double_mod=False,
+        # The preset's shape, open to the command line (None: the preset's own), e.g. a shallower model of
+        # the same width: --config.model.depth=2. Checkpoints record the shape they were trained at.
+        depth=mlc.config_dict.placeholder(int),
+        hidden_size=mlc.config_dict.placeholder(int),
+        num_heads=mlc.config_dict.placeholder(int),
     ))
     # kind "opensora" uses path/dtype; kind "identity" (pixel space) uses downsample.
     c.vae = mlc.ConfigDict(dict(kind="opensora", path="pretrained_models/OpenSora-VAE-v1.2", dtype="bfloat16",

@@ -5,11 +5,11 @@ working fails CI; so does a command the walk does not know (each one is walked o
 in `WALK` below) and a `WALK` entry the README lost.
 
 What the walk changes in a command is written beside it, and is of three kinds only: the stage configs
-become `configs/demo.py` with a step or two (`TRAIN_FAST`, `TRAIN_ONE`: a CPU cannot run XL/2 at 240p), the README's
-example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded weights) become what the walk's
-earlier commands made, and sizes that a 32×32 synthetic set cannot meet (`--frames-min 51`) shrink.
-The inputs a user brings — a table of their own files (`raw.csv`), prompts, a reference image — are
-made from the synthetic set the README's own `data_tools.synthetic` command writes.
+become `configs/demo.py`, one block pair deep, with a step or two (`TRAIN_FAST`, `TRAIN_ONE`: a CPU cannot
+run XL/2 at 240p), the README's example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded
+weights) become what the walk's earlier commands made, and sizes that a 32×32 synthetic set cannot meet
+(`--frames-min 51`) shrink. The inputs a user brings — a table of their own files (`raw.csv`), prompts, a
+reference image — are made from the synthetic set the README's own `data_tools.synthetic` command writes.
 """
 from __future__ import annotations
 
@@ -31,11 +31,16 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 
-# A stage config at a size a CPU runs in seconds: 2 steps, a checkpoint at every step (0, 1, 2) for the runs
-# the walk averages; one step (checkpoints 0 and 1: a run saves at its start and its end) for the others.
-TRAIN_FAST = "--config.train.max_steps=2 --config.train.ckpt_every=1 --config.train.log_every=1"
+# A stage config at a size a CPU runs in seconds: the demo model one block pair deep (each trainer process
+# about half the CPU time of the demo's four), 2 steps, a checkpoint at every step (0, 1, 2) for the runs the
+# walk averages; one step (checkpoints 0 and 1: a run saves at its start and its end) for the others. Every
+# run of the walk trains at that depth (one run's checkpoint is the next one's --ckpt-path), and the
+# converter is told it (`WALK_MODEL`); what reads a checkpoint follows the depth it records.
+WALK_DEPTH = "--config.model.depth=1"
+WALK_MODEL = "demo --set depth=1"  # from-torch --model: the demo preset at the walk's depth
+TRAIN_FAST = f"--config.train.max_steps=2 --config.train.ckpt_every=1 --config.train.log_every=1 {WALK_DEPTH}"
 TRAIN_FAST_4 = TRAIN_FAST.replace("max_steps=2", "max_steps=4")  # a resume: two more steps
-TRAIN_ONE = "--config.train.max_steps=1 --config.train.log_every=1"
+TRAIN_ONE = f"--config.train.max_steps=1 --config.train.log_every=1 {WALK_DEPTH}"
 STAGE_CONFIGS = {"configs/stage1.py": "configs/demo.py", "configs/lambda/stage1.py": "configs/demo.py",
                  "configs/lambda/stage2.py": "configs/demo.py", "configs/lora_example.py": "configs/demo.py"}
 QUICK_START = {**STAGE_CONFIGS, "data/meta.csv": "meta.csv"}  # the table data_tools.meta wrote
@@ -60,8 +65,9 @@ class Skip:
 
 
 def _search_found_the_boundary(work: pathlib.Path, stdout: str) -> None:
-    """The batch-size search on one device, capped at 4 per device, under 0.9 × 0.3 GiB: the images reach the
-    cap, the 8-frame clips stop at the memory boundary below it (each probe a compile of the real step)."""
+    """The batch-size search on one device, capped at 4 per device, under 0.9 × 0.1 GiB (the walk's depth-1
+    model): the images reach the cap, the 8-frame clips stop at the memory boundary below it (3 here, at
+    0.08 GiB; each probe a compile of the real step)."""
     found = json.loads((work / "bs.json").read_text())["demo32"]
     assert 1 <= found["8"][1] < found["1"][1] == 4, found  # 8-frame clips fit fewer per device than images
     assert "peak GiB" in stdout, stdout[-2000:]
@@ -124,15 +130,15 @@ WALK: list[tuple[str, Walk | Skip]] = [
                                                      R1 + "/checkpoints --steps 2,3,4"}, expect="outputs/avg")),
     ("ckpt verify outputs/avg", Walk()),
     ("from-torch OpenSora-STDiT-v3.safetensors", Walk({"OpenSora-STDiT-v3.safetensors": "stdit3_s7.safetensors",
-                                                       "STDiT3-XL/2": "demo"}, expect="ckpt")),
+                                                       "STDiT3-XL/2": WALK_MODEL}, expect="ckpt")),
     # --- Sampling (the README's outputs/demo is `make demo`'s run: here the first run).
     ('outputs/demo --prompt "a red circle moving right" --output samples/', Walk(
         {"outputs/demo": R1}, "--num-sampling-steps 4", expect="samples")),
     ("--image-size 32 32 --num-frames 16", Walk({"outputs/demo": R1, "--step 400": "--step 3"},
                                                 "--num-sampling-steps 4")),
     ("from-torch OpenSora-STDiT-v3/model.safetensors", Walk({"OpenSora-STDiT-v3/model.safetensors ckpt/":
-                                                             "stdit3_s7.safetensors ckpt_st/", "STDiT3-XL/2": "demo"},
-                                                            expect="ckpt_st")),
+                                                             "stdit3_s7.safetensors ckpt_st/",
+                                                             "STDiT3-XL/2": WALK_MODEL}, expect="ckpt_st")),
     ("--vae pretrained_models/OpenSora-VAE-v1.2", Skip("the released VAE and T5-XXL weights at 720p: downloads and "
                                                        "a GPU (tests/infer holds the same options on tiny models)")),
     ('--reference-path first.png', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
@@ -146,7 +152,7 @@ WALK: list[tuple[str, Walk | Skip]] = [
     # --- The tools chain.
     # A CPU reports no memory limit: the search needs one (the README's is the device's own).
     ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 4 --no-progress"},
-                       "--config.train.device_memory_gib=0.3", expect="bs.json", chain="tools",
+                       f"--config.train.device_memory_gib=0.1 {WALK_DEPTH}", expect="bs.json", chain="tools",
                        check=_search_found_the_boundary)),
     ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_ONE, T1, chain="tools")),
     ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
@@ -155,7 +161,7 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("to-torch outputs/stage1/checkpoints", Walk({"outputs/stage1": T2, "[--ema] [--dtype bf16]": "--ema --dtype bf16"},
                                                  expect="stdit3.pth", chain="tools")),
     ("from-torch PixArt-Sigma-XL-2-2K-MS.pth", Walk({"PixArt-Sigma-XL-2-2K-MS.pth ckpt/": "stdit3.pth ckpt_pth/",
-                                                     "STDiT3-XL/2": "demo"}, expect="ckpt_pth", chain="tools")),
+                                                     "STDiT3-XL/2": WALK_MODEL}, expect="ckpt_pth", chain="tools")),
     # LoRA on the Open-Sora state dict exported above (the README: Open-Sora's released weights).
     ("configs/lora_example.py", Walk({**STAGE_CONFIGS, "clips.csv": "splits/train.csv",
                                       "pretrained_models/OpenSora-STDiT-v3/model.safetensors": "stdit3.pth"},

@@ -69,11 +69,15 @@ def build_vae_from_config(cfg: Mapping[str, Any], *, abstract: bool = False) -> 
     raise ValueError(f"vae 'kind' must be 'identity' or 'opensora', got {kind!r}")
 
 
+# The `model` group's shape keys: None (the base config's placeholders) means the preset's own.
+PRESET_SHAPE = ("depth", "hidden_size", "num_heads")
+
+
 def build_model_config(cfg: Mapping[str, Any], *, in_channels: int, caption_channels: int,
                        model_max_length: int) -> STDiT3Config:
     """`cfg` = {"name": preset, **STDiT3Config overrides}; the encoders fix the channel counts,
     as the reference's train.py does (in_channels from the VAE, caption size from T5)."""
-    cfg = _plain(cfg)
+    cfg = {k: v for k, v in _plain(cfg).items() if not (k in PRESET_SHAPE and v is None)}
     name = cfg.pop("name", "STDiT3-XL/2")
     cfg.update(in_channels=in_channels, caption_channels=caption_channels, model_max_length=model_max_length)
     return get_model_config(name, **cfg)

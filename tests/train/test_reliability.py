@@ -58,6 +58,8 @@ def _cases(ws):
     return [
         (base + ["--config.optim.lrr=1"], "optim.lrr"),
         (base + ["--config.train.max_steps=abc"], "max_steps"),
+        (base + ["--config.model.depth=two"], "model.depth"),
+        (base + ["--config.model.num_heads=3"], "not divisible by num_heads 3"),
         (["--config", str(ws / "broken.py")], "does not load"),
         (["--config", str(ws / "missing.py")], "missing.py"),
         (["--data-path", table], "--config is required"),

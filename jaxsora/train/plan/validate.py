@@ -221,6 +221,7 @@ def validate_config(config, opts=None) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model: {e}") from e
 
+    _check_model_shape(config, opts)
     _check_lora(config, opts)
     load_bucket_config_file(config)
     from jaxsora.data import buckets
@@ -253,9 +254,10 @@ def _check_lora(config, opts=None) -> None:
         raise ConfigError(str(e)) from None
     if opts is None or not getattr(opts, "load", None):
         return
-    saved = _checkpoint_lora(opts.load, getattr(opts, "step", None))
+    saved = _checkpoint_config(opts.load, getattr(opts, "step", None))
     if saved is None:
         return
+    saved = dict(saved.get("lora") or {})
     old = None
     try:
         old = lora.LoRASpec.from_config(saved)
@@ -273,9 +275,9 @@ def _check_lora(config, opts=None) -> None:
         group.base = saved["base"]  # keep the record of where the base came from across resumes
 
 
-def _checkpoint_lora(load, step) -> dict | None:
-    """The `lora` group of the config of the step --load resumes from (the newest one with a config
-    item, or `step`); None when it cannot be read (restore reports that)."""
+def _checkpoint_config(load, step) -> dict | None:
+    """The run config stored with the step --load resumes from (the newest one with a config item, or
+    `step`); None when it cannot be read (restore reports that)."""
     import json
 
     from jaxsora.checkpoint import CheckpointError, checkpoint_steps, resolve_checkpoint
@@ -287,10 +289,39 @@ def _checkpoint_lora(load, step) -> dict | None:
     for s in ([named] if named is not None else checkpoint_steps(root)[::-1]):
         try:
             with open(os.path.join(root, str(s), "config", "metadata")) as f:
-                return dict(json.load(f).get("lora") or {})
-        except (OSError, ValueError, AttributeError):
+                stored = json.load(f)
+            return stored if isinstance(stored, dict) else None
+        except (OSError, ValueError):
             continue
     return None
+
+
+# The STDiT3 fields that shape the parameters (the channel counts follow the encoders, checked apart).
+_SHAPE_FIELDS = ("depth", "hidden_size", "num_heads", "mlp_ratio", "patch_size")
+
+
+def _check_model_shape(config, opts=None) -> None:
+    """--load: the config's model has the checkpoint's shape. A changed `model.name` or
+    `--config.model.depth` would otherwise meet the checkpoint only at restore, after the compile, where
+    every step reads as unreadable."""
+    if opts is None or not getattr(opts, "load", None):
+        return
+    saved = _checkpoint_config(opts.load, getattr(opts, "step", None))
+    model = (saved or {}).get("model")
+    if not isinstance(model, dict):
+        return
+    from jaxsora.train.build import build_model_config
+
+    mcfg = build_model_config(config.model, in_channels=4, caption_channels=64, model_max_length=8)
+
+    def plain(v):
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    changed = [f"{k}: {plain(model[k])} in the checkpoint, {plain(getattr(mcfg, k))} in the config"
+               for k in _SHAPE_FIELDS if k in model and plain(model[k]) != plain(getattr(mcfg, k))]
+    if changed:
+        raise ConfigError(f"--load {opts.load}: the checkpoint's model has another shape than the config's "
+                          f"({'; '.join(changed)}); resume with the checkpoint's model settings")
 
 
 def _check_sources(opts) -> None:
