@@ -28,15 +28,6 @@ class SlowStore:
         return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
 
 
-def test_stop_leaves_exited_as_the_last_word():
-    store = SlowStore(delay=0.0)
-    watch = PeerWatch(store, process_id=1, num_processes=2, timeout=60.0, interval=0.05)
-    watch.start()
-    assert store.first.wait(10)
-    watch.stop()
-    assert store.data["jaxsora/alive/1"] == EXITED
-
-
 @pytest.mark.parametrize("peer_says", ["7", EXITED])
 def test_a_still_counter_is_a_loss_and_an_exit_is_not(monkeypatch, peer_says):
     lost = []
@@ -53,7 +44,7 @@ def test_a_still_counter_is_a_loss_and_an_exit_is_not(monkeypatch, peer_says):
         assert lost and all(who == [1] and "no sign of life" in why for who, why in lost)
 
 
-def test_stop_waits_for_the_request_in_flight_and_ends_the_watch():
+def test_stop_waits_for_the_request_in_flight_ends_the_watch_and_says_exited():
     store = SlowStore(delay=0.3)
     watch = PeerWatch(store, process_id=1, num_processes=2, timeout=60.0, interval=0.05)
     watch.start()
@@ -61,6 +52,7 @@ def test_stop_waits_for_the_request_in_flight_and_ends_the_watch():
     watch.stop()
     assert not watch.is_alive()
     assert store.begun == store.ended >= 1  # nothing left inside the store when stop returned
+    assert store.data["jaxsora/alive/1"] == EXITED  # its last word
     begun = store.begun
     time.sleep(0.2)
     assert store.begun == begun and not watch.fired.is_set()
