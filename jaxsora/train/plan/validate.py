@@ -290,9 +290,10 @@ def _checkpoint_config(load, step) -> dict | None:
         try:
             with open(os.path.join(root, str(s), "config", "metadata")) as f:
                 stored = json.load(f)
-            return stored if isinstance(stored, dict) else None
         except (OSError, ValueError):
             continue
+        if isinstance(stored, dict):
+            return stored
     return None
 
 
