@@ -31,7 +31,7 @@ def _cmd(table, run, steps):
     return [sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
             "--data-path", table, "--run-dir", str(run), f"--config.train.max_steps={steps}",
             "--config.train.log_every=1", "--config.train.ckpt_every=1000",
-            "--config.data.batch_size_override=1"]
+            "--config.data.batch_size_override=1", "--config.model.depth=1"]  # the signals, not the model
 
 
 def test_stack_dump_heartbeat_and_sigterm_exit_code(table, tmp_path):
