@@ -41,6 +41,7 @@ TFLOP/s in bf16 (495 in fp32 via TF32); elsewhere pass --peak-tflops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -131,6 +132,34 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def timing_turn():
+    """With BENCH_STEP_LOCK=<file>, hold that file's lock while timing: several bench processes can then
+    compile side by side (the slow part on a GPU) and still time their steps one at a time on the device.
+    With BENCH_STEP_PEERS=N and BENCH_STEP_NAME, timing starts only once all N processes have compiled (a
+    `.ready.<name>` file each beside the lock; the caller leaves `.done.<name>` for one that ended), so that no
+    compile competes for the host cores with a timed step."""
+    path = os.environ.get("BENCH_STEP_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+    import glob
+
+    folder, peers = os.path.dirname(os.path.abspath(path)), int(os.environ.get("BENCH_STEP_PEERS", "1"))
+    open(os.path.join(folder, ".ready." + os.environ.get("BENCH_STEP_NAME", str(os.getpid()))), "w").close()
+    while len({f.rsplit(".", 1)[1] for f in glob.glob(os.path.join(folder, ".ready.*")) +
+               glob.glob(os.path.join(folder, ".done.*"))}) < peers:
+        time.sleep(1)
+    with open(path, "a") as f:
+        progress(f"waiting for the device ({path})")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     import jax
 
@@ -152,24 +181,31 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     step = TrainStep(fn, plan)
     batch = inputs(cfg, s, mesh)
     spec = abstract_of(batch)
-    progress(f"{s.name}: compiling the step (norm guard {norm_guard:g})")
-    info = step.compile(spec, {})
+    progress(f"{s.name}: tracing and lowering the step (norm guard {norm_guard:g})")
+    t0 = time.perf_counter()
+    lowered = step.lower(spec, {})
+    lower_s = time.perf_counter() - t0
+    progress(f"{s.name}: lowered in {lower_s:.1f} s; compiling")
+    info = step.compile(spec, {}, lowered=lowered)
     progress(f"{s.name}: compiled in {info.seconds:.1f} s; initializing the state")
-    state = init_state_sharded(plan)
-    for _ in range(2):  # warm-up (allocations, caches)
-        state, m = step(state, batch, {})
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, m = step(state, batch, {})
-        jax.block_until_ready(m["loss"])
-        times.append(time.perf_counter() - t0)
-        progress(f"{s.name}: step {len(times)}/{args.steps} {times[-1]:.4f} s")
-    dt = float(np.median(times))
-    breakdown = None
-    if args.profile:
-        state, breakdown = profile_jax(step, state, batch, args.profile_top)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(init_state_sharded(plan))
+    progress(f"{s.name}: state initialized in {time.perf_counter() - t0:.1f} s")
+    with timing_turn():
+        for _ in range(2):  # warm-up (allocations, caches)
+            state, m = step(state, batch, {})
+        jax.block_until_ready(m)
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            state, m = step(state, batch, {})
+            jax.block_until_ready(m["loss"])
+            times.append(time.perf_counter() - t0)
+            progress(f"{s.name}: step {len(times)}/{args.steps} {times[-1]:.4f} s")
+        dt = float(np.median(times))
+        breakdown = None
+        if args.profile:
+            state, breakdown = profile_jax(step, state, batch, args.profile_top)
     model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
     n_dev = mesh.devices.size
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
@@ -177,7 +213,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
     peak = args.peak_tflops or ((device_peak_flops(kind, s.dtype) or 0) / 1e12 or None)
     return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard"),
                 device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
-                compile_s=info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
+                compile_s=lower_s + info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
                 mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
                 peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]), text_tokens=int(batch["text_mask"].shape[1]),
@@ -188,8 +224,9 @@ PROFILED_STEPS = 3
 
 
 def _hlo_instructions(hlo: str) -> dict:
-    """name → (op_name metadata, whether it is or fuses a dot, result shape) for every instruction of a compiled
-    HLO text."""
+    """name → (op_name metadata, kind, result shape) for every instruction of a compiled HLO text; kind is
+    "matmul" (a dot or convolution, a fusion of one, or a cuBLAS call), "attention" (a cuDNN attention call)
+    or "other"."""
     bodies, cur, out = {}, None, {}
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -200,24 +237,45 @@ def _hlo_instructions(hlo: str) -> dict:
             cur.append(line)
     for body in bodies.values():
         for line in body:
-            m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = \S+ ([\w\-]+)\(", line)
-            if not m:
+            m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+            op = m and re.search(r"([A-Za-z][\w\-]*)\(", m.group(2))
+            if not op:
                 continue
             op_name = re.search(r'op_name="([^"]*)"', line)
             called = re.search(r"calls=%?([\w.\-]+)", line)
             fused = bodies.get(called.group(1), []) if called else []
-            is_dot = m.group(2) in ("dot", "convolution") or any(re.search(r" (dot|convolution)\(", f) for f in fused)
-            shape = line.split(" = ", 1)[1].split(" ", 1)[0]
-            out[m.group(1)] = (op_name.group(1) if op_name else "", is_dot, shape)
+            target = re.search(r'custom_call_target="([^"]*)"', line)
+            target = target.group(1) if target else ""
+            if "fmha" in target or "cudnn$flash" in target.lower():
+                kind = "attention"
+            elif (op.group(1) in ("dot", "convolution") or "cublas" in target
+                  or any(re.search(r" (dot|convolution)\(", f) for f in fused)):
+                kind = "matmul"
+            else:
+                kind = "other"
+            out[m.group(1)] = (op_name.group(1) if op_name else "", kind, m.group(2).split(" ", 1)[0])
     return out
 
 
+def _device_events(data, hlo: dict):
+    """(instruction name, start ns, duration ns) of the profiled device work. XLA:CPU: its thunk events, named
+    by instruction. A GPU: the kernels of the device planes, named by their `hlo_op` annotation."""
+    gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    for plane in gpu or data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                name = dict(ev.stats).get("hlo_op", ev.name) if gpu else ev.name
+                if name in hlo:  # executor and thread-pool events, python frames
+                    yield name, ev.start_ns, ev.duration_ns
+
+
 def profile_jax(step, state, batch, top: int = 0) -> tuple:
-    """Where one step's time goes: XLA:CPU's per-thunk trace (jax.profiler) of PROFILED_STEPS steps, each thunk
-    named by its HLO instruction and put in a category by what it computes (a dot or not) and where (autodiff's
-    forward `jvp(...)`, its backward `transpose(jvp(...))`, or neither: the norms, clipping, AdamW, the guard,
-    EMA). ms per step, summed over thunks — XLA runs independent thunks side by side, so the sum can exceed the
-    step's wall time. top > 0: also print (stderr) the `top` costliest thunks that are not matmuls."""
+    """Where one step's time goes: the profiler's trace (jax.profiler) of PROFILED_STEPS steps — XLA:CPU's
+    thunks or a GPU's kernels — each named by its HLO instruction and put in a category by what it computes
+    (a matmul, attention, or other) and where (autodiff's forward `jvp(...)`, its backward `transpose(jvp(...))`,
+    or neither: the norms, clipping, AdamW, the guard, EMA). ms per step, summed over events — XLA:CPU runs
+    independent thunks side by side, so the sum can exceed the step's wall time; "device busy" is the union of
+    the events' intervals. top > 0: also print (stderr) the `top` costliest instructions that are not matmuls."""
     import glob
 
     import jax
@@ -228,24 +286,41 @@ def profile_jax(step, state, batch, top: int = 0) -> tuple:
             for _ in range(PROFILED_STEPS):
                 state, m = step(state, batch, {})
             jax.block_until_ready(m)
-        data = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
+        trace = glob.glob(d + "/**/*.xplane.pb", recursive=True)[0]
+        if os.environ.get("BENCH_PROFILE_KEEP"):  # a folder: keep the raw trace (xprof / tensorboard read it)
+            import shutil
+
+            shutil.copy(trace, os.path.join(os.environ["BENCH_PROFILE_KEEP"], os.environ.get("BENCH_STEP_NAME", "step")
+                                            + ".xplane.pb"))
+        data = jax.profiler.ProfileData.from_file(trace)
+        events = list(_device_events(data, hlo))
+    gpu = any(p.name.startswith("/device:GPU") for p in data.planes)
+    if gpu or not events:  # what the profiler wrote (a GPU's event names and stats are read off it here; on
+        # an H200, jax 0.11.2, most kernels were not matched by their `hlo_op` stat: to be read on the next one)
+        for plane in data.planes:
+            progress(f"profile plane {plane.name}: lines {[line.name for line in plane.lines][:12]}")
+            for line in list(plane.lines)[:3]:
+                for ev in list(line.events)[:2]:
+                    progress(f"   {line.name}: {ev.name[:80]} {list(ev.stats)[:8]}")
     cats: dict = {}
     per: dict = {}  # (category, instruction) → ms per step
-    for plane in data.planes:
-        for line in plane.lines:
-            for ev in line.events:
-                if ev.name not in hlo:  # executor and thread-pool events, python frames
-                    continue
-                op_name, is_dot, _ = hlo[ev.name]
-                where = ("backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name
-                         else "optimizer, norms, EMA")
-                key = where if where.startswith("optimizer") else f"{where} {'matmul' if is_dot else 'other'}"
-                ms = ev.duration_ns / 1e6 / PROFILED_STEPS
-                cats[key] = cats.get(key, 0.0) + ms
-                per[key, ev.name] = per.get((key, ev.name), 0.0) + ms
-    if top:  # the costliest thunks outside the matmuls, and how many thunks each category runs
-        counts = {k: sum(1 for c, _ in per if c == k) for k in cats}
-        progress("thunks per category: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
+    for name, _, dur in events:
+        op_name, kind, _ = hlo[name]
+        where = ("backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name
+                 else "optimizer, norms, EMA")
+        key = where if where.startswith("optimizer") else f"{where} {kind}"
+        ms = dur / 1e6 / PROFILED_STEPS
+        cats[key] = cats.get(key, 0.0) + ms
+        per[key, name] = per.get((key, name), 0.0) + ms
+    busy, end = 0, None
+    for _, start, dur in sorted((s, s, d) for _, s, d in events):
+        lo = start if end is None else max(start, end)
+        busy += max(0, start + dur - lo)
+        end = start + dur if end is None else max(end, start + dur)
+    cats["device busy (union of events)"] = busy / 1e6 / PROFILED_STEPS
+    if top:  # the costliest instructions outside the matmuls, and how many each category runs
+        counts = {k: sum(1 for c, _ in per if c == k) for k in cats if k in {c for c, _ in per}}
+        progress("instructions per category: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
         rest = sorted(((ms, k, name) for (k, name), ms in per.items() if "matmul" not in k), reverse=True)
         for ms, k, name in rest[:top]:
             op_name, _, shape = hlo[name]
@@ -356,6 +431,7 @@ def main(argv=None):
                     "per-thunk trace; with --reference, the PyTorch step's matmul time and its update's time)")
     ap.add_argument("--profile-top", type=int, default=0, help="with --profile: also list this many of the "
                     "costliest non-matmul thunks (stderr)")
+    ap.add_argument("--json", default=None, help="also write the rows to this file (JSON)")
     ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
                     "e.g. 0,2 (0: off; 2: the default)")
     args = ap.parse_args(argv)
@@ -370,6 +446,9 @@ def main(argv=None):
         if args.reference:
             rows.append(bench_reference(s, args))
         results.append((s, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(shape=dataclasses.asdict(s), rows=rows) for s, rows in results], f, indent=1, default=str)
 
     def fmt(v, f):
         return "-" if v is None else format(v, f)
