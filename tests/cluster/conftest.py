@@ -144,6 +144,12 @@ def wait_for(cond, timeout=20.0, what="a condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def printed(text: str, line: str) -> bool:
+    """Whether a host's log holds `line` as a line of its own — not inside the launch's echo of the command,
+    which may quote it (a child's "ready" seen there, before the child ran, let the test signal too early)."""
+    return line in (row.strip() for row in text.splitlines())
+
+
 def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

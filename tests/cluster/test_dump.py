@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from jaxsora.errors import UserError
-from tests.cluster.conftest import PY, alive, wait_for
+from tests.cluster.conftest import PY, alive, printed, wait_for
 
 CHILD = """
 import os, sys, time
@@ -31,7 +31,7 @@ def test_dump_collects_the_stacks(cluster, capsys, tmp_path):
     child.write_text(CHILD)
     assert cluster.cli(hosts, "launch", "--run", "outputs/exp", "--", PY, str(child), cluster.run) == 0
     for h in ("node-a", "node-b"):
-        wait_for(lambda: "ready" in cluster.log(h), 60, f"{h}'s child to register its stack dump")
+        wait_for(lambda: printed(cluster.log(h), "ready"), 60, f"{h}'s child to register its stack dump")
     capsys.readouterr()
 
     assert cluster.cli(hosts, "dump") == 0  # --run comes from pids.json

@@ -7,7 +7,7 @@ import pytest
 
 from jaxsora.cluster import records
 from jaxsora.errors import UserError
-from tests.cluster.conftest import PY, alive, wait_for
+from tests.cluster.conftest import PY, alive, printed, wait_for
 
 # process 0: a plain `sleep` (ends on TERM); process 1: ignores TERM (needs the KILL)
 CHILD = ('if [ "$JAX_PROCESS_ID" = 1 ]; then exec ' + PY + ' -c "import signal, time; '
@@ -21,7 +21,7 @@ def test_stop_by_recorded_pid(cluster, capsys):
     try:
         assert cluster.cli(hosts, "launch", "--", "sh", "-c", CHILD) == 0
         pids = {e["host"]: e["pid"] for e in cluster.pids()["hosts"]}
-        wait_for(lambda: "ready" in cluster.log("node-b"), what="node-b's child to ignore SIGTERM")
+        wait_for(lambda: printed(cluster.log("node-b"), "ready"), what="node-b's child to ignore SIGTERM")
         assert all(alive(p) for p in pids.values())
         with pytest.raises(UserError, match="still runs"):  # a second launch into the same logdir
             cluster.cli(hosts, "launch", "--", "true")
