@@ -313,7 +313,7 @@ def profile_jax(step, state, batch, top: int = 0) -> tuple:
         cats[key] = cats.get(key, 0.0) + ms
         per[key, name] = per.get((key, name), 0.0) + ms
     busy, end = 0, None
-    for _, start, dur in sorted((s, s, d) for _, s, d in events):
+    for start, dur in sorted((s, d) for _, s, d in events):
         lo = start if end is None else max(start, end)
         busy += max(0, start + dur - lo)
         end = start + dur if end is None else max(end, start + dur)

@@ -7,7 +7,9 @@ import os
 import pathlib
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import cpu_flags
+
+os.environ.setdefault("XLA_FLAGS", cpu_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 # One persistent compilation cache for the whole session, subprocesses included (the loop tests

@@ -28,6 +28,8 @@ from collections.abc import Callable
 import pandas as pd
 import pytest
 
+from tests.xla_flags import cpu_flags
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 
@@ -257,7 +259,7 @@ def walk(chain: str, work: pathlib.Path) -> list[str]:
     seconds)."""
     (work / "configs").symlink_to(REPO / "configs")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # a user's CPU: one device
+           "XLA_FLAGS": cpu_flags(1)}  # a user's CPU: one device
     log = []
     for key, action, command in _claims():
         if isinstance(action, Skip) or action.chain not in ("data", chain):

@@ -16,9 +16,11 @@ ap.add_argument("out")
 ap.add_argument("--workers", type=int, default=0)
 ap.add_argument("--batches", type=int, default=3)
 args = ap.parse_args()
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.xla_flags import cpu_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_flags(2)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxsora.parallel.distributed import initialize  # noqa: E402
 from tests.multiprocess_cache import share_compilation_cache  # noqa: E402

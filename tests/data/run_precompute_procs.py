@@ -10,9 +10,11 @@ import functools
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.xla_flags import cpu_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_flags(1)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main(argv):

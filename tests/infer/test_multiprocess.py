@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.ports import free_port
+from tests.xla_flags import cpu_flags
 
 PROMPTS = ["wave 0.50", "wave 1.50", "wave 2.50"]  # 3 prompts in batches of 2: the second batch is padded
 RUNNER = os.path.join(os.path.dirname(__file__), "run_sample.py")  # python -m jaxsora.sample, + the frames
@@ -26,7 +27,7 @@ def _env(devices: int, **extra) -> dict:
     cache = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")  # tests/conftest.py's
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k in cache}
     return {**env, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAXSORA_INIT_TIMEOUT": str(TIMEOUT // 2),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+            "XLA_FLAGS": cpu_flags(devices), **extra}
 
 
 def _start(args, env) -> subprocess.Popen:

@@ -15,6 +15,7 @@ from jaxsora.parallel import distributed
 from jaxsora.parallel.distributed import DistributedError, first_slurm_host, plan, resolve
 from tests.conftest import REPO
 from tests.ports import free_port
+from tests.xla_flags import cpu_flags
 
 MANAGED = ("SLURM_", "OMPI_", "PMI_", "KUBERNETES_", "JOB_COMPLETION_INDEX", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
            "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "JAXSORA_INIT_TIMEOUT", "TPU_")
@@ -229,7 +230,7 @@ def test_two_processes_start_from_jax_variables_despite_slurm(env, tmp_path):
     are ignored because the JAX_* variables are all set."""
     port = free_port()
     base = {**os.environ, **_slurm(ntasks=4, nodes=4, nodelist="nowhere[1-4]"), "PYTHONPATH": str(REPO),
-            "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(2),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAXSORA_INIT_TIMEOUT": "120"}
     procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES], env={**base, "JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))

@@ -8,9 +8,11 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.xla_flags import cpu_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_flags(1)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxsora.parallel.distributed import initialize  # noqa: E402
 from tests.multiprocess_cache import share_compilation_cache  # noqa: E402

@@ -22,9 +22,11 @@ ap.add_argument("--nan-from", type=int, default=None, help="batches from this on
 ap.add_argument("--nan-process", type=int, default=None, help="... only in this process's rows")
 ap.add_argument("--watchdog-min", type=float, default=None, help="train.watchdog_min_seconds")
 args = ap.parse_args()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.xla_flags import cpu_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_flags(args.devices)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxsora.parallel.distributed import initialize  # noqa: E402
 from tests.multiprocess_cache import share_compilation_cache  # noqa: E402

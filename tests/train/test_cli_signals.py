@@ -15,9 +15,10 @@ from data_tools.synthetic import generate
 from jaxsora.runs import describe, format_table
 from jaxsora.train.run.supervise import STACK_DUMP_SIGNAL
 from tests.train.common import REPO
+from tests.xla_flags import cpu_flags
 
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # one device: the signals, not the mesh, are tested
+       "XLA_FLAGS": cpu_flags(1)}  # one device: the signals, not the mesh, are tested
 
 
 @pytest.fixture(scope="module")
