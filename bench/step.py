@@ -257,16 +257,44 @@ def _hlo_instructions(hlo: str) -> dict:
     return out
 
 
+# GPU kernels that carry no instruction name (cuBLAS and cuDNN library kernels inside a CUDA graph), by their
+# kernel names: nvjet/xmma/cutlass are cuBLAS's GEMMs on Hopper, sdpa/flash/fmha cuDNN's attention.
+_LIBRARY_KERNELS = (("matmul", ("nvjet", "gemm", "xmma", "cutlass", "cublas")),
+                    ("attention", ("sdpa", "flash", "fmha", "cudnn")))
+UNNAMED = "kernels without an instruction name"
+
+
+def gpu_kernel_instruction(name: str, stats: dict, hlo: dict) -> str | None:
+    """The HLO instruction a GPU kernel event ran: its `hlo_op` stat where the trace has one; else its kernel
+    name, which XLA:GPU derives from the instruction's name with '.' written '_' (`loop_add_fusion_59` runs
+    `loop_add_fusion.59`; an H200, jax 0.11.2, whose step ran as a CUDA graph, gave no `hlo_op` stat)."""
+    for cand in (stats.get("hlo_op"), name, re.sub(r"_(\d+)$", r".\1", name)):
+        if cand in hlo:
+            return cand
+    return None
+
+
+def library_kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in _LIBRARY_KERNELS if any(m in low for m in marks)), "other")
+
+
 def _device_events(data, hlo: dict):
     """(instruction name, start ns, duration ns) of the profiled device work. XLA:CPU: its thunk events, named
-    by instruction. A GPU: the kernels of the device planes, named by their `hlo_op` annotation."""
+    by instruction. A GPU: every kernel of the device planes, named by its instruction where the trace tells
+    (`gpu_kernel_instruction`), else `(UNNAMED, kind)` with the kind read off the kernel's name."""
     gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
     for plane in gpu or data.planes:
         for line in plane.lines:
             for ev in line.events:
-                name = dict(ev.stats).get("hlo_op", ev.name) if gpu else ev.name
-                if name in hlo:  # executor and thread-pool events, python frames
-                    yield name, ev.start_ns, ev.duration_ns
+                if not gpu:
+                    if ev.name in hlo:  # executor and thread-pool events, python frames
+                        yield ev.name, ev.start_ns, ev.duration_ns
+                    continue
+                if ev.name.startswith("Memset") or ev.name.startswith("memcpy"):
+                    continue
+                inst = gpu_kernel_instruction(ev.name, dict(ev.stats), hlo)
+                yield inst or (UNNAMED, library_kernel_kind(ev.name)), ev.start_ns, ev.duration_ns
 
 
 def profile_jax(step, state, batch, top: int = 0) -> tuple:
@@ -290,13 +318,18 @@ def profile_jax(step, state, batch, top: int = 0) -> tuple:
         if os.environ.get("BENCH_PROFILE_KEEP"):  # a folder: keep the raw trace (xprof / tensorboard read it)
             import shutil
 
-            shutil.copy(trace, os.path.join(os.environ["BENCH_PROFILE_KEEP"], os.environ.get("BENCH_STEP_NAME", "step")
-                                            + ".xplane.pb"))
-        data = jax.profiler.ProfileData.from_file(trace)
-        events = list(_device_events(data, hlo))
-    gpu = any(p.name.startswith("/device:GPU") for p in data.planes)
-    if gpu or not events:  # what the profiler wrote (a GPU's event names and stats are read off it here; on
-        # an H200, jax 0.11.2, most kernels were not matched by their `hlo_op` stat: to be read on the next one)
+            keep = os.path.join(os.environ["BENCH_PROFILE_KEEP"], os.environ.get("BENCH_STEP_NAME", "step"))
+            shutil.copy(trace, keep + ".xplane.pb")
+            with open(keep + ".hlo.txt", "w") as f:  # the compiled program: the trace's names are read against it
+                f.write(next(iter(step.executables.values())).as_text())
+        return state, breakdown(jax.profiler.ProfileData.from_file(trace), hlo, top)
+
+
+def breakdown(data, hlo: dict, top: int = 0) -> dict:
+    """ms per step by category from a trace (`jax.profiler.ProfileData`) of PROFILED_STEPS steps and the compiled
+    step's `_hlo_instructions` (see profile_jax). Offline, on a kept trace: BENCH_PROFILE_KEEP."""
+    events = list(_device_events(data, hlo))
+    if not events:  # what the profiler wrote, to see why nothing matched
         for plane in data.planes:
             progress(f"profile plane {plane.name}: lines {[line.name for line in plane.lines][:12]}")
             for line in list(plane.lines)[:3]:
@@ -305,10 +338,13 @@ def profile_jax(step, state, batch, top: int = 0) -> tuple:
     cats: dict = {}
     per: dict = {}  # (category, instruction) → ms per step
     for name, _, dur in events:
-        op_name, kind, _ = hlo[name]
-        where = ("backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name
-                 else "optimizer, norms, EMA")
-        key = where if where.startswith("optimizer") else f"{where} {kind}"
+        if isinstance(name, tuple):  # a GPU library kernel with no instruction name: forward or backward unknown
+            key = f"{name[0]}: {name[1]}"
+        else:
+            op_name, kind, _ = hlo[name]
+            where = ("backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name
+                     else "optimizer, norms, EMA")
+            key = where if where.startswith("optimizer") else f"{where} {kind}"
         ms = dur / 1e6 / PROFILED_STEPS
         cats[key] = cats.get(key, 0.0) + ms
         per[key, name] = per.get((key, name), 0.0) + ms
@@ -321,11 +357,12 @@ def profile_jax(step, state, batch, top: int = 0) -> tuple:
     if top:  # the costliest instructions outside the matmuls, and how many each category runs
         counts = {k: sum(1 for c, _ in per if c == k) for k in cats if k in {c for c, _ in per}}
         progress("instructions per category: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
-        rest = sorted(((ms, k, name) for (k, name), ms in per.items() if "matmul" not in k), reverse=True)
+        rest = sorted(((ms, k, name) for (k, name), ms in per.items()
+                       if "matmul" not in k and not isinstance(name, tuple)), reverse=True)
         for ms, k, name in rest[:top]:
             op_name, _, shape = hlo[name]
             progress(f"  {ms:7.2f} ms  {k:<22} {name:<32} {shape:<28} {op_name[-60:]}")
-    return state, cats
+    return cats
 
 
 REF_SCRIPT = r'''
@@ -431,10 +468,21 @@ def main(argv=None):
                     "per-thunk trace; with --reference, the PyTorch step's matmul time and its update's time)")
     ap.add_argument("--profile-top", type=int, default=0, help="with --profile: also list this many of the "
                     "costliest non-matmul thunks (stderr)")
+    ap.add_argument("--read-profile", metavar="PREFIX", help="instead of timing: the breakdown of a kept trace "
+                    "(BENCH_PROFILE_KEEP wrote PREFIX.xplane.pb and PREFIX.hlo.txt), with --profile-top")
     ap.add_argument("--json", default=None, help="also write the rows to this file (JSON)")
     ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
                     "e.g. 0,2 (0: off; 2: the default)")
     args = ap.parse_args(argv)
+    if args.read_profile:
+        import jax
+
+        with open(args.read_profile + ".hlo.txt") as f:
+            hlo = _hlo_instructions(f.read())
+        cats = breakdown(jax.profiler.ProfileData.from_file(args.read_profile + ".xplane.pb"), hlo, args.profile_top)
+        for k, v in sorted(cats.items()):
+            print(f"{k:<44} {v:9.1f} ms")
+        return cats
     if args.model:
         shapes = [Shape("custom", args.model, tuple(int(v) for v in args.latent.split("x")), args.batch, args.dtype,
                         args.remat, args.scan)]
@@ -468,7 +516,7 @@ def main(argv=None):
             for r in rows[:-1]:
                 print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {r['step_s'] / rows[-1]['step_s']:.2f}")
     if args.profile:
-        print("\nwhere a step's time goes (ms per step; jaxsora: XLA:CPU thunks, which may overlap)")
+        print("\nwhere a step's time goes (ms per step; jaxsora: XLA:CPU thunks, which may overlap, or GPU kernels)")
         for s, rows in results:
             for r in rows:
                 for k, v in sorted((r.get("breakdown") or {}).items()):

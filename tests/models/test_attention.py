@@ -96,3 +96,45 @@ def test_bf16_stdit3_trains_with_cudnn_at_odd_lengths():
     assert np.isfinite(loss) and abs(loss - loss_ref) <= 1e-2 * abs(loss_ref)
     assert rel_err(np.concatenate([np.ravel(g) for g in grads]),
                    np.concatenate([np.ravel(g) for g in grads_ref])) <= 5e-2
+
+
+@pytest.mark.parametrize("layer,n,lengths", [("spatial", 9, None), ("spatial", 9, 7), ("temporal", 5, None),
+                                             ("cross", 9, [7, 0]), ("cross", 8, [5, 3])])
+def test_cudnn_layers_pad_an_odd_sequence_at_their_input(monkeypatch, layer, n, lengths):
+    """With cuDNN, an odd sequence gets its even-length token at the layer's input (`cudnn_token_pad`): the
+    attention is handed even queries and pads none itself. cuDNN's place is taken here by the XLA core, which
+    records the lengths it is given; the layer's output and gradients must be those of the XLA layer."""
+    seen = []
+
+    def cudnn_stand_in(q, k, v, scale, kv_lengths):
+        seen.append(q.shape[1])
+        return L.even_padded(lambda *a: L.attention(*a[:3], impl=None, kv_lengths=a[3]), q, k, v, kv_lengths)
+
+    monkeypatch.setattr(L, "_cudnn_attention", cudnn_stand_in)
+    rngs = nnx.Rngs(0)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, n, 16)), jnp.float32)
+    if layer == "cross":
+        module = L.MultiHeadCrossAttention(16, 2, rngs=rngs, dtype=jnp.float32, attn_impl="cudnn")
+        y = jnp.asarray(rng.standard_normal((2, 7, 16)), jnp.float32)
+        args = (y, jnp.asarray(lengths, jnp.int32))
+    else:
+        module = L.Attention(16, 2, qk_norm=True, use_rope=layer == "temporal", rngs=rngs, dtype=jnp.float32,
+                             attn_impl="cudnn")
+        args = (L.RotaryEmbedding(8).freqs[...] if layer == "temporal" else None, lengths)
+    graphdef, params = nnx.split(module)
+    w = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    def loss(params, x, impl):
+        m = nnx.merge(graphdef, params)
+        m.attn_impl = impl
+        out = m(x, *args)
+        assert out.shape == x.shape
+        return jnp.sum(out * w)
+
+    (v_cudnn, g_cudnn), (v_xla, g_xla) = (jax.value_and_grad(loss, argnums=(0, 1))(params, x, impl)
+                                          for impl in ("cudnn", None))
+    assert seen and all(nq == n + n % 2 for nq in seen), seen
+    assert abs(float(v_cudnn) - float(v_xla)) <= 1e-5 * abs(float(v_xla))
+    for a, b in zip(jax.tree.leaves(g_cudnn), jax.tree.leaves(g_xla)):
+        assert rel_err(a, b) <= 1e-5

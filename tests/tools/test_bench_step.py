@@ -1,0 +1,54 @@
+"""bench/step.py's profile reading: a GPU trace's kernels named by their HLO instructions.
+
+Kernel names are those of an H200 trace (jax 0.11.2, the XL/2 step run as a CUDA graph, no `hlo_op` stat):
+XLA's own kernels carry the instruction's name with '.' written '_'; cuBLAS and cuDNN kernels carry none."""
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "step.py")
+bench_step = importlib.util.module_from_spec(spec)
+sys.modules["bench_step"] = bench_step  # its dataclasses look their module up
+spec.loader.exec_module(bench_step)
+
+HLO = """HloModule jit__traced
+
+%fused_dot (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_add (p0: bf16[64,16]) -> bf16[64,16] {
+  %p0 = bf16[64,16]{1,0} parameter(0)
+  ROOT %add.2 = bf16[64,16]{1,0} add(%p0, %p0)
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> bf16[64,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  %gemm_fusion_dot.1972 = bf16[64,16]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, {dot_meta}
+  ROOT %loop_add_fusion.59 = bf16[64,16]{1,0} fusion(%gemm_fusion_dot.1972), kind=kLoop, calls=%fused_add, {add_meta}
+}
+""".replace("{dot_meta}", 'metadata={op_name="jit(_traced)/transpose(jvp())/dot_general"}').replace(
+    "{add_meta}", 'metadata={op_name="jit(_traced)/jvp()/add"}')
+
+
+def test_gpu_kernels_are_named_by_their_instructions():
+    hlo = bench_step._hlo_instructions(HLO)
+    assert hlo["gemm_fusion_dot.1972"][:2] == ("jit(_traced)/transpose(jvp())/dot_general", "matmul")
+    assert hlo["loop_add_fusion.59"][:2] == ("jit(_traced)/jvp()/add", "other")
+    name = bench_step.gpu_kernel_instruction
+    assert name("loop_add_fusion_59", {}, hlo) == "loop_add_fusion.59"
+    assert name("gemm_fusion_dot_1972", {}, hlo) == "gemm_fusion_dot.1972"
+    assert name("some_kernel", {"hlo_op": "loop_add_fusion.59"}, hlo) == "loop_add_fusion.59"  # the stat first
+    assert name("loop_add_fusion_60", {}, hlo) is None
+
+
+def test_library_kernels_by_their_names():
+    kind = bench_step.library_kernel_kind
+    assert kind("nvjet_sm90_tst_192x160_64x4_1x2_h_bz_coopB_NNT") == "matmul"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1") == "attention"
+    assert kind("void cudnn::fusion::compute_dot_do_o<true>(void const*, void const*)") == "attention"
+    assert kind("jax::cuda::(anonymous namespace)::ThreeFry2x32Kernel(unsigned int const*)") == "other"
