@@ -378,6 +378,15 @@ class PatchEmbed3D(nnx.Module):
         return self.proj(jnp.transpose(x, (0, 2, 3, 4, 1)))
 
 
+def split_heads(fused: jax.Array, n: int) -> list[jax.Array]:
+    """[R, N, n, H, Dh] (a fused projection's output: q | k | v) → n arrays [R, N, H, Dh].
+
+    One `lax.split`, whose gradient is one concatenate: indexing the n parts instead gives n slices, whose
+    gradients are n zero-padded copies of the fused shape summed (on XLA:CPU, pads and adds of the whole
+    qkv activation in every attention layer's backward)."""
+    return [a[:, :, 0] for a in jax.lax.split(fused, (1,) * n, axis=2)]
+
+
 class Attention(nnx.Module):
     """Self-attention: fused qkv (rows q | k | v, each head-major), q/k RMSNorm, optional RoPE."""
 
@@ -408,7 +417,7 @@ class Attention(nnx.Module):
             x = jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
             kv_len = n if kv_len is None else kv_len  # the appended token is no key
         qkv = self.qkv(x).reshape(r, n + extra, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [R, N, H, Dh]
+        q, k, v = split_heads(qkv, 3)  # each [R, N, H, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:  # rotation over the sequence axis (−2 after the swap)
@@ -451,7 +460,8 @@ class MultiHeadCrossAttention(nnx.Module):
             x = jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
         q = self.q_linear(x).reshape(b, n + extra, self.num_heads, self.head_dim)
         kv = self.kv_linear(y).reshape(b, y.shape[1], 2, self.num_heads, self.head_dim)
-        out = attention(q, kv[:, :, 0], kv[:, :, 1], impl=self.attn_impl, kv_lengths=y_lens)
+        k, v = split_heads(kv, 2)
+        out = attention(q, k, v, impl=self.attn_impl, kv_lengths=y_lens)
         out = self.proj(out.reshape(b, n + extra, c))
         return out[:, :n] if extra else out
 

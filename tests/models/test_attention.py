@@ -138,3 +138,24 @@ def test_cudnn_layers_pad_an_odd_sequence_at_their_input(monkeypatch, layer, n, 
     assert abs(float(v_cudnn) - float(v_xla)) <= 1e-5 * abs(float(v_xla))
     for a, b in zip(jax.tree.leaves(g_cudnn), jax.tree.leaves(g_xla)):
         assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("layer", ["self", "cross"])
+def test_fused_projection_gradient_is_one_concatenate(layer):
+    """q | k | v come out of one fused projection by one split (`split_heads`), so their gradients meet in one
+    concatenate — indexing the parts out would give each a zero-padded copy of the fused activation, summed
+    (a structural check: the numbers are the same either way)."""
+    rngs = nnx.Rngs(0)
+    x = jnp.ones((2, 6, 16), jnp.float32)
+    if layer == "cross":  # k | v: the text's projection, differentiated by the text
+        module = L.MultiHeadCrossAttention(16, 2, rngs=rngs, dtype=jnp.float32, attn_impl=None)
+        queries, x = x, jnp.ones((2, 4, 16), jnp.float32)
+        call = lambda m, y: m(queries, y, jnp.asarray([4, 2], jnp.int32))  # noqa: E731
+    else:
+        module = L.Attention(16, 2, qk_norm=True, use_rope=False, rngs=rngs, dtype=jnp.float32, attn_impl=None)
+        call = lambda m, x: m(x)  # noqa: E731
+    graphdef, params = nnx.split(module)
+    grad = jax.grad(lambda x: jnp.sum(call(nnx.merge(graphdef, params), x)))
+    text = str(jax.make_jaxpr(grad)(x))
+    assert "concatenate[" in text
+    assert " pad[" not in text, "a part of the fused projection was indexed out: its gradient is a pad"
