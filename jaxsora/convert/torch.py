@@ -24,8 +24,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxsora.errors import WeightsError
 from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import TORCH_EXTS, read_state_dict, unwrap  # noqa: F401  (read_state_dict: re-exported)
+from jaxsora.models.layers import rope_frequencies
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 
 
@@ -223,6 +225,14 @@ def load_torch_state_dict(model: STDiT3, sd: dict[str, np.ndarray], *, strict: b
     (reference-style) initialization; a wrong shape is a ValueError naming the key; `strict`: a
     missing or unexpected key is an error (a ValueError and KeyError naming them)."""
     sd = reparameterize(unwrap_state_dict(sd), model.config.model_max_length)
+    if "rope.freqs" in sd:  # the architecture's constants, which the model rotates by (`layers.RotaryEmbedding`)
+        want = rope_frequencies(model.config.head_dim)
+        got = np.asarray(sd["rope.freqs"]).astype(np.float32)
+        # 1%: a bf16 export (`to-torch --dtype bf16`) holds them rounded (≤ 0.4%); another base or head_dim
+        # is off by far more
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-2, atol=0):
+            raise WeightsError(f"rope.freqs {got.shape} is not STDiT3's RoPE frequencies 1/10000^(2j/{2 * want.size})"
+                               f" (head_dim {model.config.head_dim}): this model rotates by those")
     _, rep = fill_module(model, sd, source="", key=torch_key, file_shape=torch_shape, to_model=from_torch_layout,
                          missing="raise" if strict else "keep", unexpected="raise" if strict else "ignore")
     return LoadReport(rep.mapped, rep.missing, rep.unexpected)

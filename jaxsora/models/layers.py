@@ -10,6 +10,7 @@ are float32; `dtype` is the compute dtype (bfloat16 on GPU).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,6 +60,52 @@ def scaled_normal(std: float):
     return init
 
 
+def _contract_last(x: jax.Array, w: jax.Array, precision) -> jax.Array:
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense_matmul(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
+    """x: [..., K] · w: [K, N] → [..., N], the matmul of every Linear layer (`dense`, LoRA's base and adapters).
+
+    The backward is autodiff's, written out for the weight gradient dW = Σ_tokens xᵀ·dy: XLA:CPU runs that
+    contraction (over the token axes of both operands) with one operand transposed to [features, tokens], and
+    autodiff's form (dot(dy, x) then a transpose) had it transpose dy — the gradient of a residual stream, so the
+    transpose fused into the LayerNorm/modulation backward that makes dy and that whole computation was redone
+    column by column (~10 strided inputs; 4–13 ms each at bench/step.py's `realistic` shape, where the plain
+    transpose costs 0.35 ms). Here the narrower of the two is the operand transposed — at equal widths x,
+    the layer's input (the attention output, or the modulated LayerNorm) — and the same sums come out."""
+    return _contract_last(x, w, precision)
+
+
+def _dense_matmul_fwd(x, w, precision):
+    return _contract_last(x, w, precision), (x, w)
+
+
+def _dense_matmul_bwd(precision, res, dy):
+    x, w = res
+    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)  # dy·wᵀ
+    tokens = tuple(range(x.ndim - 1))
+    if x.shape[-1] <= dy.shape[-1]:
+        dw = jax.lax.dot_general(x, dy, ((tokens, tokens), ((), ())), precision=precision)  # [K, N]
+    else:
+        dw = jax.lax.dot_general(dy, x, ((tokens, tokens), ((), ())), precision=precision).T  # [N, K]ᵀ
+    return dx, dw
+
+
+dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
+
+
+def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
+    """`nnx.Linear`'s `dot_general`: its contraction (the input's last axis with the kernel's first) through
+    `dense_matmul`; anything else as `jax.lax.dot_general` computes it."""
+    if dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and preferred_element_type is None \
+            and out_sharding is None:
+        return dense_matmul(lhs, rhs, precision)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
 def dense(
     din: int,
     dout: int,
@@ -79,6 +126,7 @@ def dense(
         kernel_init=nnx.with_partitioning(kernel_init, names),
         bias_init=nnx.with_partitioning(bias_init, (names[1],)),
         precision=None,
+        dot_general=linear_dot_general,
         rngs=rngs,
     )
 
@@ -141,23 +189,39 @@ def pos_embed_2d(dim: int, h: int, w: int, scale: jax.Array, base_size: int) -> 
     return jnp.concatenate([sincos(coord_w), sincos(coord_h)], axis=-1)[None]
 
 
-def rope_interleaved(x: jax.Array, freqs: jax.Array) -> jax.Array:
+def rope_frequencies(head_dim: int) -> np.ndarray:
+    """The RoPE frequencies [Dh/2] = 1/10000^(2j/Dh), float32 (rotary-embedding-torch, freqs_for='lang'):
+    what the reference's `rope.freqs` holds — fixed by the architecture, never trained."""
+    return (1.0 / (SINUSOID_BASE ** (np.arange(0, head_dim, 2)[: head_dim // 2].astype(np.float32) / head_dim))
+            ).astype(np.float32)
+
+
+def rope_tables(freqs, n: int):
+    """cos and signed-sin tables [N, Dh] float32 of `rope_interleaved` for positions 0..N−1.
+
+    Angle(pos, j) = pos·freqs_j, repeated as (j0, j0, j1, j1, ...). The sin table carries the sign of each pair's
+    first element, so that rotate_half(x)·sin = swap(x)·sin_signed. With numpy `freqs` (`rope_frequencies`,
+    as `Attention` passes them) the tables are numpy too: constants of the program. From a traced array, XLA:CPU
+    computes them inside every fusion that rotates q or k, a cos and a sin for each of the [R, H, N, Dh] elements
+    (2.5 ms instead of 0.2 for one temporal q at bench/step.py's `realistic` shape)."""
+    xp = np if isinstance(freqs, np.ndarray) else jnp
+    ang = xp.arange(n, dtype=np.float32)[:, None] * xp.asarray(freqs, np.float32)[None, :]  # [N, Dh/2]
+    ang = xp.repeat(ang, 2, axis=-1)  # [N, Dh] interleaved
+    sign = xp.tile(xp.asarray([-1.0, 1.0], np.float32), ang.shape[-1] // 2)
+    return xp.cos(ang).astype(np.float32), (xp.sin(ang) * sign).astype(np.float32)
+
+
+def rope_interleaved(x: jax.Array, freqs) -> jax.Array:
     """rotary-embedding-torch 0.5.3 `rotate_queries_or_keys` (GPT-J style, interleaved pairs).
 
-    x: [..., N, Dh] with the sequence on axis −2, positions 0..N−1; freqs: [Dh/2].
-    Angle(pos, j) = pos·freqs_j, repeated as (j0, j0, j1, j1, ...); rotate_half maps each
-    adjacent pair (a, b) → (−b, a). Computed in float32, returned in x.dtype.
+    x: [..., N, Dh] with the sequence on axis −2, positions 0..N−1; freqs: [Dh/2] (numpy: see `rope_tables`).
+    rotate_half maps each adjacent pair (a, b) → (−b, a): here a reversed view of each pair times the signed
+    sin table, so everything fuses into one elementwise op. Computed in float32, returned in x.dtype.
     """
-    n = x.shape[-2]
-    pos = jnp.arange(n, dtype=jnp.float32)
-    ang = pos[:, None] * freqs.astype(jnp.float32)[None, :]  # [N, Dh/2]
-    ang = jnp.repeat(ang, 2, axis=-1)  # [N, Dh] interleaved
-    # rotate_half(x)·sin = swap(x)·(sin with the sign of each pair's first element flipped): a
-    # reversed view of each pair and a [N, Dh] table, so everything fuses into one elementwise op.
-    sin_signed = jnp.sin(ang) * jnp.tile(jnp.array([-1.0, 1.0], jnp.float32), ang.shape[-1] // 2)
+    cos, sin_signed = rope_tables(freqs, x.shape[-2])
     xf = x.astype(jnp.float32)
     swapped = xf.reshape(*xf.shape[:-1], -1, 2)[..., ::-1].reshape(xf.shape)  # (a, b) → (b, a)
-    return (xf * jnp.cos(ang) + swapped * sin_signed).astype(x.dtype)
+    return (xf * cos + swapped * sin_signed).astype(x.dtype)
 
 
 def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str | None:
@@ -311,14 +375,16 @@ class RMSNorm(nnx.Module):
 
 
 class RotaryEmbedding(nnx.Module):
-    """Holds `rope.freqs` [Dh/2] = 1/10000^(2j/Dh) (rotary-embedding-torch, freqs_for='lang').
+    """Holds `rope.freqs` [Dh/2] (`rope_frequencies`).
 
-    A state-dict entry in the reference (a Parameter with requires_grad=False), so a Buffer here.
+    A state-dict entry in the reference (a Parameter with requires_grad=False), so a Buffer here. Its values are
+    the architecture's constants: the temporal attention rotates with `rope_frequencies(head_dim)` itself, so
+    that the rotation tables are constants of the compiled program; a state dict whose `rope.freqs` differs is
+    refused at load (`jaxsora.convert.torch.load_torch_state_dict`).
     """
 
     def __init__(self, dim: int):
-        freqs = 1.0 / (SINUSOID_BASE ** (np.arange(0, dim, 2)[: dim // 2].astype(np.float32) / dim))
-        self.freqs = Buffer(jnp.asarray(freqs, jnp.float32))
+        self.freqs = Buffer(jnp.asarray(rope_frequencies(dim)))
 
 
 
@@ -405,10 +471,10 @@ class Attention(nnx.Module):
         self.attn_impl = attn_impl
         self.sequence_axis = sequence_axis
 
-    def __call__(self, x: jax.Array, rope_freqs: jax.Array | None = None, kv_len: int | None = None) -> jax.Array:
-        """x: [R, N, C] (R independent rows, N the attended sequence) → [R, N, C].
-        rope_freqs: [Dh/2], required when the layer uses RoPE (temporal blocks); kv_len: only the
-        first kv_len keys are attended (the rest is sequence-parallel padding)."""
+    def __call__(self, x: jax.Array, kv_len: int | None = None) -> jax.Array:
+        """x: [R, N, C] (R independent rows, N the attended sequence) → [R, N, C]. A RoPE layer (temporal blocks)
+        rotates q and k over N by `rope_frequencies(head_dim)`; kv_len: only the first kv_len keys are attended
+        (the rest is sequence-parallel padding)."""
         r, n, c = x.shape
         # cuDNN: an odd sequence gets its even-length token here, not around the attention (cudnn_token_pad);
         # under sequence parallelism the attention pads the gathered sequence itself (even_padded)
@@ -421,8 +487,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:  # rotation over the sequence axis (−2 after the swap)
-            q = jnp.swapaxes(rope_interleaved(jnp.swapaxes(q, 1, 2), rope_freqs), 1, 2)
-            k = jnp.swapaxes(rope_interleaved(jnp.swapaxes(k, 1, 2), rope_freqs), 1, 2)
+            freqs = rope_frequencies(self.head_dim)
+            q = jnp.swapaxes(rope_interleaved(jnp.swapaxes(q, 1, 2), freqs), 1, 2)
+            k = jnp.swapaxes(rope_interleaved(jnp.swapaxes(k, 1, 2), freqs), 1, 2)
         def attn_fn(q_, k_, v_):
             lens = None if kv_len is None else jnp.full((q_.shape[0],), kv_len, jnp.int32)
             return attention(q_, k_, v_, impl=self.attn_impl, kv_lengths=lens)
@@ -476,6 +543,6 @@ def text_lengths(mask: jax.Array | None) -> jax.Array | None:
 __all__ = [
     "Buffer", "SiLU", "RMSNorm", "RotaryEmbedding", "Mlp", "TimestepEmbedder", "PatchEmbed3D",
     "Attention", "MultiHeadCrossAttention", "attention", "layer_norm", "modulate", "sinusoid",
-    "pos_embed_2d", "rope_interleaved", "resolve_attention_impl", "text_lengths",
+    "pos_embed_2d", "rope_frequencies", "rope_tables", "rope_interleaved", "resolve_attention_impl", "text_lengths",
     "constraints",
 ]

@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsora.errors import UserError
+from jaxsora.models.layers import dense_matmul
 
 PRESETS: dict[str, tuple[str, ...]] = {
     "attention": ("attn.qkv", "attn.proj"),  # self-attention (spatial and temporal blocks)
@@ -184,8 +185,7 @@ class LoRALinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype if self.dtype is not None else jnp.result_type(x, self.kernel[...])
         xc = x.astype(dt)
-        y = jax.lax.dot_general(xc, self.kernel[...].astype(dt), (((x.ndim - 1,), (0,)), ((), ())),
-                                precision=self.precision)
+        y = dense_matmul(xc, self.kernel[...].astype(dt), self.precision)
         if self.bias is not None:
             y += jnp.reshape(self.bias[...].astype(dt), (1,) * (y.ndim - 1) + (-1,))
         h = xc
@@ -193,9 +193,9 @@ class LoRALinear(nnx.Module):
         if self.dropout > 0 and key is not None:
             keep = jax.random.bernoulli(jax.random.fold_in(key, self.path_id), 1.0 - self.dropout, h.shape)
             h = jnp.where(keep, h / jnp.asarray(1.0 - self.dropout, dt), jnp.zeros((), dt))
-        low = jnp.matmul(h, self.lora_a[...].astype(dt), precision=self.precision)  # [..., r]
+        low = dense_matmul(h, self.lora_a[...].astype(dt), self.precision)  # [..., r]
         low = low * jnp.asarray(self.scale, dt)
-        return y + jnp.matmul(low, self.lora_b[...].astype(dt), precision=self.precision)
+        return y + dense_matmul(low, self.lora_b[...].astype(dt), self.precision)
 
 
 # --------------------------------------------------------------------------------------------

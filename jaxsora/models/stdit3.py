@@ -163,10 +163,10 @@ class STDiT3Block(nnx.Module):
             for lin in (self.attn.proj, self.cross_attn.proj, self.mlp.fc2):
                 lin.kernel[...] = jnp.zeros_like(lin.kernel[...])
 
-    def __call__(self, x, y, y_lens, t_mlp, t0_mlp, x_mask, rope_freqs, spatial_len=None):
+    def __call__(self, x, y, y_lens, t_mlp, t0_mlp, x_mask, spatial_len=None):
         """x: [B, T, S, C]; y: [B, L, C]; y_lens: [B] | None; t_mlp/t0_mlp: [B, 6C]; x_mask: [B, T] | None;
-        rope_freqs: [Dh/2] (`rope.freqs`, used by temporal blocks); spatial_len: the real token count
-        when S carries sequence-parallel padding (spatial attention masks the rest), else None."""
+        spatial_len: the real token count when S carries sequence-parallel padding (spatial attention masks the
+        rest), else None."""
         b, t, s, c = x.shape
         table = self.scale_shift_table[...].astype(self.dtype)[None]
         mod = (table + t_mlp.reshape(b, 6, c))[:, :, None, None, :]  # [B, 6, 1, 1, C]
@@ -180,7 +180,7 @@ class STDiT3Block(nnx.Module):
         h = L.modulate(L.layer_norm(x), shift_msa, scale_msa)
         if self.temporal:
             h = rearrange(h, "B T S C -> (B S) T C")
-            h = rearrange(self.attn(h, rope_freqs), "(B S) T C -> B T S C", B=b)
+            h = rearrange(self.attn(h), "(B S) T C -> B T S C", B=b)
         else:
             h = self.attn(h.reshape(b * t, s, c), kv_len=spatial_len).reshape(b, t, s, c)
         x = x + gate_msa * h
@@ -363,7 +363,7 @@ class STDiT3(nnx.Module):
             h = jnp.pad(h, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
         h = constrain(h, ("batch", "frames", "seq", "embed"))
 
-        args = (y_emb, y_lens, t_mlp, t0_mlp, x_mask, self.rope.freqs[...], s if s_pad != s else None)
+        args = (y_emb, y_lens, t_mlp, t0_mlp, x_mask, s if s_pad != s else None)
         h = self._blocks(h, args)
         h = h[:, :, :s]
 

@@ -97,6 +97,19 @@ def test_shape_mismatch_names_the_key():
         from_torch_state_dict(ref, get_model_config("tiny"))
 
 
+def test_rope_freqs_other_than_the_architectures_are_refused():
+    """The temporal attention rotates by `rope_frequencies(head_dim)` (constants of the program), so a state dict
+    whose `rope.freqs` holds other numbers would be silently ignored: it is refused, naming the key (rounded to
+    bf16, as `to-torch --dtype bf16` writes them, they are the same numbers)."""
+    ref = dict(read_state_dict(REF_SD))
+    freqs = np.asarray(ref["rope.freqs"])
+    ref["rope.freqs"] = freqs.astype(ml_dtypes.bfloat16)  # a bf16 export holds them rounded: accepted
+    from_torch_state_dict(ref, get_model_config("tiny"))
+    ref["rope.freqs"] = freqs * 2
+    with pytest.raises(ValueError, match=r"rope\.freqs"):
+        from_torch_state_dict(ref, get_model_config("tiny"))
+
+
 def test_pixart_sigma_mapping():
     """A PixArt-Σ-style dict (blocks.*, 4-D patch conv, pos_embed, 2-row-short y_embedding) maps as
     the reference's load_checkpoint does; what it lacks keeps the reference init."""

@@ -121,7 +121,7 @@ def test_cudnn_layers_pad_an_odd_sequence_at_their_input(monkeypatch, layer, n, 
     else:
         module = L.Attention(16, 2, qk_norm=True, use_rope=layer == "temporal", rngs=rngs, dtype=jnp.float32,
                              attn_impl="cudnn")
-        args = (L.RotaryEmbedding(8).freqs[...] if layer == "temporal" else None, lengths)
+        args = (lengths,)
     graphdef, params = nnx.split(module)
     w = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
 
@@ -159,3 +159,55 @@ def test_fused_projection_gradient_is_one_concatenate(layer):
     text = str(jax.make_jaxpr(grad)(x))
     assert "concatenate[" in text
     assert " pad[" not in text, "a part of the fused projection was indexed out: its gradient is a pad"
+
+
+@pytest.mark.parametrize("din,dout", [(6, 6), (6, 10), (10, 6)])
+def test_dense_matmul_gradients_are_autodiffs(din, dout):
+    """`dense_matmul` writes its backward out (dW from the narrower operand transposed, for XLA:CPU): both of its
+    forms give autodiff's dx and dW, over 3-D inputs as the blocks call it."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 5, din)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((din, dout)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((2, 3, 5, dout)), jnp.float32)
+    ours = jax.grad(lambda x, w: jnp.sum(jnp.tanh(L.dense_matmul(x, w)) * g), argnums=(0, 1))(x, w)
+    auto = jax.grad(lambda x, w: jnp.sum(jnp.tanh(jnp.einsum("btsk,kn->btsn", x, w)) * g), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, auto):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-6
+
+
+def test_every_linear_layer_runs_dense_matmul():
+    """A structural check (the numbers are autodiff's either way): the blocks' Linear layers, plain and LoRA-
+    adapted, reach `dense_matmul` — the backward XLA:CPU runs without transposing a residual stream's gradient."""
+    from jaxsora.models import lora
+    from jaxsora.models.stdit3 import STDiT3
+
+    cfg = get_model_config("tiny")
+    model = STDiT3(cfg, rngs=nnx.Rngs(0))
+    x = jnp.zeros((1, cfg.in_channels, 2, 8, 8))
+    y = jnp.zeros((1, 1, 4, cfg.caption_channels))
+
+    def n_dense(model):
+        graphdef, params = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(x, jnp.ones((1,)), y))(params)
+        return str(jaxpr).count("dense_matmul")
+
+    n_linear = sum(1 for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear))
+    assert n_dense(model) >= n_linear > 0
+    lora.apply_lora(model, lora.LoRASpec(rank=2, alpha=2.0, targets=("attention",)))  # in place
+    n_adapted = sum(1 for _, m in nnx.iter_modules(model) if isinstance(m, lora.LoRALinear))
+    assert n_adapted > 0 and n_dense(model) >= n_linear + 2 * n_adapted  # each adapted layer: base, A and B
+
+
+def test_temporal_rotation_tables_are_constants():
+    """RoPE's cos/sin tables come from `rope_frequencies` in numpy — constants of the program; from a traced
+    array XLA:CPU computed a cos and a sin per rotated element. The layer computes no sin or cos, and its tables
+    equal those computed from the `rope.freqs` buffer."""
+    module = L.Attention(16, 2, qk_norm=True, use_rope=True, rngs=nnx.Rngs(0), dtype=jnp.float32, attn_impl=None)
+    x = jnp.ones((3, 5, 16), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x: module(x))(x))
+    assert " sin " not in jaxpr and " cos " not in jaxpr
+    static = L.rope_tables(L.rope_frequencies(8), 5)
+    traced = jax.jit(lambda f: L.rope_tables(f, 5))(L.RotaryEmbedding(8).freqs[...])
+    assert all(isinstance(t, np.ndarray) for t in static)
+    for a, b in zip(static, traced):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=0, atol=1e-6)
