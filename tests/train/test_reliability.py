@@ -82,6 +82,8 @@ def _cases(ws):
         (base + ["--step", "3"], "--step"),
         (base + ["--config.wandb.enabled=True", "--config.wandb.mode=bogus"], "wandb.mode"),
         (base + ["--profile", "abc"], "--profile"),
+        (base + ["--config.mask_ratios.random=0.9", "--config.mask_ratios.image_head=0.9"], "mask_ratios"),
+        (base + ["--start-from-scratch"], "--load"),
     ]
 
 

@@ -82,7 +82,9 @@ def compile_buckets(setup, buckets: Sequence[tuple], *, limit: int | None, threa
         futures = []
         for bucket, gb in buckets:
             spec = setup.batch_spec(tuple(bucket[1:]), gb)
-            futures.append(pool.submit(compile_one, bucket, gb, spec, setup.step.lower(spec, setup.encoders.weights)))
+            # a step reused from an earlier run of the process (`setup_run`) may hold this shape already
+            lowered = None if setup.step.compiled(spec) else setup.step.lower(spec, setup.encoders.weights)
+            futures.append(pool.submit(compile_one, bucket, gb, spec, lowered))
         out = [f.result() for f in futures]
     bar.close()
     return out

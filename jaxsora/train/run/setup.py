@@ -19,12 +19,14 @@ in the run config. Checkpoints hold the base in their `frozen/` item, so `--load
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 from typing import Any
 
 import jax
+import ml_collections
 
 from jaxsora.models import lora as lora_lib
 from jaxsora.models.stdit3 import STDiT3Config
@@ -75,31 +77,94 @@ class RunSetup:
         return (-(-lt // pt)) * (-(-lh // ph)) * (-(-lw // pw))
 
 
+# The fields of a run config that `setup_run` builds from: the mesh, the encoders, the STDiT3 config, the
+# optimizer and schedule, the state plan and the step. The rest (outputs, lengths, logging, checkpointing, data
+# order and loading, eval, wandb, sampling) never reaches the step; None: the whole section.
+STEP_FIELDS = {"mesh": None, "model": None, "optim": None, "scheduler": None, "mask_ratios": None, "lora": None,
+               "vae": None, "text_encoder": None, "train": ("seed", "max_param_norm_growth"),
+               "data": ("features", "text_cache")}
+
+
+def step_config(config) -> ml_collections.ConfigDict:
+    """The `STEP_FIELDS` of `config`, as a locked config of their own. `setup_run` reads nothing else —
+    reading any other field from it fails — so they are all a reused step depends on."""
+    out = ml_collections.ConfigDict()
+    for section, fields in STEP_FIELDS.items():
+        if section not in config or config[section] is None:
+            continue
+        value = config[section]
+        if fields is None:
+            out[section] = ml_collections.ConfigDict(value.to_dict()) if hasattr(value, "to_dict") else value
+        else:
+            out[section] = ml_collections.ConfigDict({f: value[f] for f in fields if f in value})
+    out.lock()
+    return out
+
+
+# Plans and steps built in this process, by `_step_key`: a second run in one process with the same step
+# config, mesh and encoders (a notebook, a sweep, the test suite) reuses the traced plan and the compiled
+# step instead of tracing, lowering and loading them again — seconds a run even for a tiny model. The
+# newest few are kept.
+_STEPS: collections.OrderedDict = collections.OrderedDict()
+_STEPS_KEPT = 4
+
+
+def _step_key(sc, mesh: jax.sharding.Mesh, rules, encoders: build.Encoders, abstract: bool) -> str | None:
+    """What a plan and step are built from: the step config, the mesh's devices and axes, the logical rules,
+    the encoders' shapes, and the jax options that tracing reads. None (never reused) when an encoder's
+    architecture comes from files (a T5 folder, the OpenSora VAE), which the config does not describe."""
+    vae_from_files = sc.vae.get("kind") != "identity"
+    t5_from_files = not sc.data.get("text_cache") and sc.text_encoder.get("kind") != "tiny"
+    if not sc.data.get("features") and (vae_from_files or t5_from_files):  # features: neither is built
+        return None
+    weights = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None)))
+               for p, x in jax.tree_util.tree_leaves_with_path(encoders.weights)]
+    options = {name: str(getattr(jax.config, name, None)) for name in (
+        "jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl", "jax_threefry_partitionable")}
+    return json.dumps(dict(config=json.loads(sc.to_json_best_effort(sort_keys=True)), abstract=abstract,
+                           devices=[int(d.id) for d in mesh.devices.flat], axes=list(mesh.axis_names),
+                           shape=list(mesh.devices.shape), rules=repr(rules), weights=weights, options=options,
+                           encoders=[encoders.in_channels, encoders.caption_channels, encoders.model_max_length,
+                                     encoders.text_from_cache, encoders.latents_dtype]), sort_keys=True)
+
+
 def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
     """Mesh → encoders → model config → state plan → jitted step. `abstract_encoders`: no encoder
-    weights are read (the dry run and the batch-size search compile with their shapes)."""
-    mesh = mesh_lib.make_mesh(config.mesh)
+    weights are read (the dry run and the batch-size search compile with their shapes). Everything is
+    built from `step_config(config)`; the plan and step of an earlier run of this process with the same
+    key (`_step_key`) are reused."""
+    sc = step_config(config)
+    mesh = mesh_lib.make_mesh(sc.mesh)
     rules = mesh_lib.logical_rules(mesh)
-    encoders = build.build_encoders(config, mesh, rules, abstract=abstract_encoders)
-    mcfg = build.build_model_config(config.model, in_channels=encoders.in_channels,
+    encoders = build.build_encoders(sc, mesh, rules, abstract=abstract_encoders)
+    mcfg = build.build_model_config(sc.model, in_channels=encoders.in_channels,
                                     caption_channels=encoders.caption_channels,
                                     model_max_length=encoders.model_max_length)
     mesh_lib.check_sequence_parallel(mcfg.num_heads, mesh)
     if mesh_lib.sequence_parallel_size(mesh) > 1:
         mcfg = mcfg.replace(sequence_parallel_axis="sequence")
-    tx = make_optimizer(config.optim)
-    lora = lora_lib.LoRASpec.from_config(config.get("lora"))
-    plan = plan_state(mcfg, tx, int(config.train.seed), mesh, rules, lora=lora)
+    lora = lora_lib.LoRASpec.from_config(sc.get("lora"))
+    key = _step_key(sc, mesh, rules, encoders, abstract_encoders)
+    if key is not None and key in _STEPS:
+        _STEPS.move_to_end(key)
+        plan, step = _STEPS[key]
+    else:
+        tx = make_optimizer(sc.optim)
+        plan = plan_state(mcfg, tx, int(sc.train.seed), mesh, rules, lora=lora)
+        step_fn = make_train_step(plan.graphdef, tx, encode_video=encoders.encode_video,
+                                  encode_text=encoders.encode_text, scheduler_cfg=plain(sc.scheduler),
+                                  mask_ratios=plain(sc.mask_ratios) or None, ema_decay=float(sc.optim.ema_decay),
+                                  lr_fn=lr_schedule(sc.optim), max_norm_growth=float(sc.train.max_param_norm_growth))
+        step = TrainStep(step_fn, plan)
+        if key is not None:
+            _STEPS[key] = (plan, step)
+            while len(_STEPS) > _STEPS_KEPT:
+                _STEPS.popitem(last=False)
     if lora is not None and jax.process_index() == 0:
         n = sum(int(x.size) for x in jax.tree.leaves(plan.abstract.params))
         print(f"[jaxsora] LoRA rank {lora.rank} (scale {lora.scale:g}) on {len(lora_lib.check_targets(lora, mcfg))} "
               f"Linear layers: {n:,} trainable numbers; the base model is frozen", flush=True)
-    step_fn = make_train_step(plan.graphdef, tx, encode_video=encoders.encode_video,
-                              encode_text=encoders.encode_text, scheduler_cfg=plain(config.scheduler),
-                              mask_ratios=plain(config.mask_ratios) or None, ema_decay=float(config.optim.ema_decay),
-                              lr_fn=lr_schedule(config.optim),
-                              max_norm_growth=float(config.train.max_param_norm_growth))
-    return RunSetup(config, mesh, rules, encoders, mcfg, plan, TrainStep(step_fn, plan))
+    return RunSetup(config, mesh, rules, encoders, mcfg, plan, step)
 
 
 def default_loader(config, dp: int, text_inputs) -> Loader:

@@ -84,6 +84,7 @@ class StatePlan:
     shardings: TrainState  # a NamedSharding per leaf
     traced_init: Any = None  # the traced initialization (`jax.stages.Traced`), compiled only if used
     lora: lora_lib.LoRASpec | None = None  # LoRA adapters (only they are trained), or None
+    compiled_init: Any = dataclasses.field(default=None, repr=False)  # traced_init compiled, once it has run
 
     @property
     def abstract_sharded(self) -> TrainState:
@@ -132,7 +133,9 @@ def plan_state(config: STDiT3Config, tx: optax.GradientTransformation, seed: int
 def init_state_sharded(plan: StatePlan) -> TrainState:
     """A freshly initialized state, each array computed directly in its shard (the plan's trace)."""
     with jax.set_mesh(plan.mesh):
-        return plan.traced_init.lower().compile()()
+        if plan.compiled_init is None:  # kept: a plan reused by a later run of the process (`setup_run`)
+            plan.compiled_init = plan.traced_init.lower().compile()
+        return plan.compiled_init()
 
 
 def model_variables(tree) -> dict:

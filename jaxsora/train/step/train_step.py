@@ -241,6 +241,10 @@ class TrainStep:
         with jax.set_mesh(self.mesh):
             return self._jit.lower(self.plan.abstract_sharded, batch_spec, encoders)
 
+    def compiled(self, batch_spec: dict) -> bool:
+        """Whether the executable for this batch shape exists already."""
+        return batch_key(batch_spec) in self.info
+
     def compile(self, batch_spec: dict, encoders, lowered=None, keep: bool = True) -> CompileInfo:
         """Compile (once) the executable for this batch shape; thread-safe, so that several
         buckets compile side by side (XLA releases the GIL). keep=False: only measure it."""
