@@ -6,7 +6,7 @@ line: `python -m jaxsora.train --config configs/stage1.py --config.optim.lr=2e-4
 import ml_collections as mlc
 
 from jaxsora.data.text_length import DEFAULT_LENGTHS as TEXT_LENGTHS
-from jaxsora.models.t5 import TINY_DEFAULTS
+from jaxsora.models.text_defaults import TINY_DEFAULTS
 
 # Open-Sora 1.2 stage 1 bucket_config: {resolution: {num_frames: (keep_prob, per-device batch)}};
 # a tuple keep_prob is (p_res, p_frames) (spec §4.4, §7.2).
@@ -69,7 +69,7 @@ def get_config():
                                 downsample=(1, 8, 8)))
     # kind "t5" uses path/dtype; kind "tiny" (random weights, byte tokenizer, no files) uses the sizes.
     # T5 weights in bf16, as Open-Sora casts the frozen encoder (train.py: dtype=bf16): 9.5 GB, not 19.
-    # The tiny kind's sizes are its library defaults (models/t5.py TINY_DEFAULTS), here so that a stage
+    # The tiny kind's sizes are its library defaults (models/text_defaults.py), here so that a stage
     # config switched to it can override them on the command line.
     tiny = {k: TINY_DEFAULTS[k] for k in ("d_model", "num_layers", "num_heads", "d_ff", "seed")}
     c.text_encoder = mlc.ConfigDict(dict(kind="t5", path="pretrained_models/t5-v1_1-xxl", model_max_length=300,

@@ -19,6 +19,7 @@ import numpy as np
 from einops import rearrange
 from flax import nnx
 
+from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.parallel import constraints
 
 # Open-Sora 1.2: LayerNorm / LlamaRMSNorm eps in STDiT3 blocks, final layer and q/k norm.

@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsora.errors import UserError
+from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.models.layers import dense_matmul
 
 PRESETS: dict[str, tuple[str, ...]] = {

@@ -20,6 +20,7 @@ import numpy as np
 from einops import rearrange
 from flax import nnx
 
+from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.models import layers as L
 from jaxsora.parallel.constraints import constrain
 

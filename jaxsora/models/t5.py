@@ -48,6 +48,8 @@ from flax import nnx
 from jaxsora.errors import MissingFile, UnknownKey
 from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import open_state_dict
+from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
+from jaxsora.models.text_defaults import TINY_DEFAULTS
 from jaxsora.parallel import constraints
 
 # Open-Sora 1.2 (configs/opensora-v1-2/train/*.py, text_encoder): model_max_length=300.
@@ -499,11 +501,6 @@ class TextEncoder:
             return np.zeros((0, 1, L, D), np.float32), np.zeros((0, L), np.int32)
         ids, mask = self.tokenize(texts)
         return self.encode_tokens(ids, mask)[:, None], mask.astype(np.int32)
-
-
-# The tiny random encoder's settings where a config leaves them out — the one place they are set
-# (configs/base.py and the dry run's shapes read them here).
-TINY_DEFAULTS = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, model_max_length=32, seed=0, dtype="float32")
 
 
 def tiny_t5_config(d_model=32, num_layers=2, num_heads=2, d_ff=64, d_kv=None, vocab_size=BYTE_VOCAB_SIZE) -> T5Config:

@@ -29,6 +29,7 @@ from flax import nnx
 from jaxsora.errors import MissingFile
 from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import open_state_dict
+from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.models.layers import Buffer
 from jaxsora.models.vae_layers import (
     AutoencoderKL,

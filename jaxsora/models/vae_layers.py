@@ -32,6 +32,8 @@ import numpy as np
 from einops import rearrange
 from flax import nnx
 
+from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
+
 # diffusers AutoencoderKL: every GroupNorm / the mid-block attention norm uses eps 1e-6
 # (Encoder/Decoder `resnet_eps=1e-6`, `conv_norm_out` eps=1e-6).
 SPATIAL_NORM_EPS = 1e-6

@@ -1,0 +1,56 @@
+"""A config file loads without jax (`jaxsora.models` imports nothing heavy; the configs read
+`jaxsora.models.text_defaults`), so that a mistake in a config or its overrides is answered at once — and the
+Flax settings that moved out of the package root (`jaxsora.models._flax`) still reach every model module."""
+import ast
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+HEAVY = ("jax", "flax", "optax", "orbax", "torch")
+
+
+def _fresh(code: str) -> str:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip()
+
+
+def test_configs_load_without_jax():
+    loaded = _fresh(
+        "import importlib, sys\n"
+        "for name in ('configs.demo', 'configs.stage1', 'configs.lambda.stage3', 'configs.lora_example'):\n"
+        "    importlib.import_module(name).get_config()\n"
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))\n")
+    assert loaded == ""
+
+
+def test_config_mistakes_are_answered_before_jax_is_imported():
+    """The trainer's command line with a misspelt key: the one-line error, exit code 2, no jax imported."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "jaxsora.train", "--config", "configs/demo.py",
+                        "--config.optim.lrr=1"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    lines = r.stderr.splitlines()
+    errors = [ln for ln in lines if not ln.startswith("import time:")]
+    imported = {ln.split("|")[-1].strip() for ln in lines if ln.startswith("import time:")}
+    assert r.returncode == 2 and len(errors) == 1 and "optim.lrr" in errors[0], r.stderr[-3000:]
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_every_model_module_that_imports_flax_applies_the_settings():
+    """Read from the source: a module of jaxsora/models that imports flax imports `_flax` too (the setting has
+    to be in place before the first variable is created, whichever model module is imported first)."""
+    missing = []
+    for path in sorted((REPO / "jaxsora" / "models").glob("*.py")):
+        if path.name == "_flax.py":
+            continue
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        if any(n == "flax" or n.startswith("flax.") for n in names) and "jaxsora.models._flax" not in names:
+            missing.append(path.name)
+    assert not missing, missing
+    # and in a fresh interpreter the setting is in place once a model module is imported
+    assert _fresh("import jaxsora.models.t5, flax; print(flax.config.flax_always_shard_variable)") == "False"
