@@ -1,9 +1,12 @@
 """A config file loads without jax (`jaxsora.models` imports nothing heavy; the configs read
-`jaxsora.models.text_defaults`), so that a mistake in a config or its overrides is answered at once — and the
-Flax settings that moved out of the package root (`jaxsora.models._flax`) still reach every model module."""
+`jaxsora.models.text_defaults`), and the trainer checks ranges and contradicting flags before it imports jax,
+so that a mistake in a config, its overrides or the flags is answered at once — and the Flax settings that moved
+out of the package root (`jaxsora.models._flax`) still reach every model module."""
 import ast
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -25,14 +28,20 @@ def test_configs_load_without_jax():
     assert loaded == ""
 
 
-def test_config_mistakes_are_answered_before_jax_is_imported():
-    """The trainer's command line with a misspelt key: the one-line error, exit code 2, no jax imported."""
+@pytest.mark.parametrize("args, said", [
+    (["--config.optim.lrr=1"], "optim.lrr"),  # a misspelt key (the config's own parser)
+    (["--config.train.keep_ckpts=-1"], "train.keep_ckpts"),  # a value out of range (check_ranges)
+    (["--start-from-scratch"], "--load"),  # flags that contradict each other (check_run_flags)
+])
+def test_config_mistakes_are_answered_before_jax_is_imported(args, said):
+    """The trainer's command line with a mistake that needs no file: the one-line error, exit code 2, and
+    none of jax, flax, optax, orbax imported (what made each such answer take seconds)."""
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "jaxsora.train", "--config", "configs/demo.py",
-                        "--config.optim.lrr=1"], capture_output=True, text=True, cwd=REPO, timeout=120)
+                        "--data-path", "pyproject.toml", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
     lines = r.stderr.splitlines()
     errors = [ln for ln in lines if not ln.startswith("import time:")]
     imported = {ln.split("|")[-1].strip() for ln in lines if ln.startswith("import time:")}
-    assert r.returncode == 2 and len(errors) == 1 and "optim.lrr" in errors[0], r.stderr[-3000:]
+    assert r.returncode == 2 and len(errors) == 1 and said in errors[0], r.stderr[-3000:]
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
 
 

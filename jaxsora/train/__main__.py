@@ -48,6 +48,12 @@ def _body() -> int:
     from absl import flags
 
     FLAGS = flags.FLAGS
+    # The checks that need neither jax nor a file, first: such a mistake is answered before jax is imported
+    # (train() runs them again with the rest of validate_config).
+    from jaxsora.train.plan.validate import check_ranges, check_run_flags
+
+    check_ranges(FLAGS.config)
+    check_run_flags(FLAGS)
     from jaxsora.parallel.distributed import initialize
 
     initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)

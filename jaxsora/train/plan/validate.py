@@ -113,6 +113,16 @@ def check_ranges(config) -> None:
             raise ConfigError(f"{key} = {value!r} is out of range: it must be {rng}" + (f" ({note})" if note else ""))
 
 
+def check_run_flags(opts) -> None:
+    """The run flags that contradict each other (`RunOptions`, or the command line's flags: no file is read)."""
+    if getattr(opts, "step", None) is not None and not opts.load:
+        raise ConfigError("--step N picks the checkpoint step of --load DIR; give --load too")
+    if opts.load and opts.ckpt_path:
+        raise ConfigError("give either --load (resume everything) or --ckpt-path (weights only), not both")
+    if opts.start_from_scratch and not opts.load:
+        raise ConfigError("--start-from-scratch only makes sense with --load DIR")
+
+
 def _check_features(config) -> None:
     """`data.features`: a finished feature cache, and no setting that needs the raw videos."""
     from jaxsora.data.features import FeatureStore
@@ -152,12 +162,7 @@ def validate_config(config, opts=None) -> None:
                     raise
                 print(f"[jaxsora] dry run: {e} (needed to train)", file=sys.stderr)
     if opts is not None:
-        if getattr(opts, "step", None) is not None and not opts.load:
-            raise ConfigError("--step N picks the checkpoint step of --load DIR; give --load too")
-        if opts.load and opts.ckpt_path:
-            raise ConfigError("give either --load (resume everything) or --ckpt-path (weights only), not both")
-        if opts.start_from_scratch and not opts.load:
-            raise ConfigError("--start-from-scratch only makes sense with --load DIR")
+        check_run_flags(opts)
         for flag, path in (("--load", opts.load), ("--ckpt-path", opts.ckpt_path)):
             if path and not os.path.exists(path):
                 raise ConfigError(f"{flag}: no such file or folder: {path}")
