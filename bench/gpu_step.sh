@@ -15,6 +15,8 @@
 # Read on an H200 (jax 0.11.2, 2026-11-26), XL/2 240p×51 batch 4 bf16 remat full, attention "auto" (cuDNN):
 #   unrolled  0.746–0.750 s/step, 217 model TFLOP/s, MFU 22%, 25.2 GiB; compile 177–196 s beside 1–2 others
 #             0.725 s, 224 TFLOP/s, MFU 22.6% (2026-11-27: cuDNN's odd lengths padded at the layers' inputs)
+#             0.722 s (2026-11-27, after the Linear layers' weight-gradient form of aecd4d4, made for XLA:CPU) against
+#             0.728 s with autodiff's (VARIANTS=$'unrolled||\nautodiff||--dense-backward autodiff'): the same
 #   scan      0.767 s, MFU 21%, 27.8 GiB; compile 114 s beside 2 others
 #   scan with the XLA attention  0.872 s, MFU 19%, 29.4 GiB
 #   the fresh state: 65–79 s to compile and run with XLA's inline threefry, 11 s with jax's threefry kernel

@@ -473,7 +473,35 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the rows to this file (JSON)")
     ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
                     "e.g. 0,2 (0: off; 2: the default)")
+    ap.add_argument("--dense-backward", default="custom", choices=["custom", "autodiff"],
+                    help="the Linear layers' backward: layers.dense_matmul's (custom, the default) or autodiff's "
+                    "(A/B of the weight-gradient form on another backend)")
     args = ap.parse_args(argv)
+    with dense_backward(args.dense_backward):
+        return _main(args)
+
+
+@contextlib.contextmanager
+def dense_backward(kind: str):
+    """The Linear layers' matmul inside the block: `layers.dense_matmul` with its own backward ("custom") or the
+    same contraction differentiated by jax ("autodiff")."""
+    if kind == "custom":
+        yield
+        return
+    from jaxsora.models import layers, lora
+
+    def plain(x, w, precision=None):
+        return layers._contract_last(x, w, precision)
+
+    saved = layers.dense_matmul, lora.dense_matmul
+    layers.dense_matmul = lora.dense_matmul = plain
+    try:
+        yield
+    finally:
+        layers.dense_matmul, lora.dense_matmul = saved
+
+
+def _main(args):
     if args.read_profile:
         import jax
 

@@ -1,6 +1,6 @@
 """A config file loads without jax (`jaxsora.models` imports nothing heavy; the configs read
-`jaxsora.models.text_defaults`), and the trainer checks ranges and contradicting flags before it imports jax,
-so that a mistake in a config, its overrides or the flags is answered at once — and the Flax settings that moved
+`jaxsora.models.text_defaults`), and the trainer checks the config, its flags, paths and table files before it
+imports jax, so that such a mistake is answered at once — and the Flax settings that moved
 out of the package root (`jaxsora.models._flax`) still reach every model module."""
 import ast
 import subprocess
@@ -32,10 +32,20 @@ def test_configs_load_without_jax():
     (["--config.optim.lrr=1"], "optim.lrr"),  # a misspelt key (the config's own parser)
     (["--config.train.keep_ckpts=-1"], "train.keep_ckpts"),  # a value out of range (check_ranges)
     (["--start-from-scratch"], "--load"),  # flags that contradict each other (check_run_flags)
+    (["--profile", "abc"], "--profile expects START:STOP"),
+    (["--config.wandb.enabled=True", "--config.wandb.mode=bogus"], "wandb.mode"),
+    (["--load", "{tmp}/nowhere"], "--load: no such file or folder"),
+    (["--data-path", "{tmp}/none.csv"], "table not found"),  # the table, after the flags' pyproject.toml
+    (["--data-path", "{tmp}/empty.csv"], "has no rows"),
+    (["--data-path", "{tmp}/nocols.csv"], "lacks column"),
 ])
-def test_config_mistakes_are_answered_before_jax_is_imported(args, said):
-    """The trainer's command line with a mistake that needs no file: the one-line error, exit code 2, and
-    none of jax, flax, optax, orbax imported (what made each such answer take seconds)."""
+def test_mistakes_are_answered_before_jax_is_imported(args, said, tmp_path):
+    """The trainer's command line with a mistake in the config, the flags, a path or the table's files: the
+    one-line error, exit code 2, and none of jax, flax, optax, orbax imported (what made each such answer take
+    seconds)."""
+    (tmp_path / "empty.csv").write_text("path,text,num_frames,height,width\n")
+    (tmp_path / "nocols.csv").write_text("path,caption\nx.mp4,hi\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "jaxsora.train", "--config", "configs/demo.py",
                         "--data-path", "pyproject.toml", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
     lines = r.stderr.splitlines()
@@ -43,6 +53,21 @@ def test_config_mistakes_are_answered_before_jax_is_imported(args, said):
     imported = {ln.split("|")[-1].strip() for ln in lines if ln.startswith("import time:")}
     assert r.returncode == 2 and len(errors) == 1 and said in errors[0], r.stderr[-3000:]
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_a_table_is_read_once_per_process(tmp_path, monkeypatch):
+    """check_table remembers a table whose files are unchanged (the command line checks it before jax, the run
+    again): a second call reads nothing, and a changed file is read again."""
+    from jaxsora.data import tables
+
+    table = tmp_path / "t.csv"
+    table.write_text("path,text,num_frames,height,width\na.mp4,x,8,32,32\n")
+    assert tables.check_table(str(table)) == 1
+    reads = []
+    monkeypatch.setattr(tables, "_check_table_files", lambda t, files: reads.append(files) or 7)
+    assert tables.check_table(str(table)) == 1 and reads == []
+    table.write_text("path,text,num_frames,height,width\na.mp4,x,8,32,32\nb.mp4,y,8,32,32\n")
+    assert tables.check_table(str(table)) == 7 and reads == [[str(table)]]
 
 
 def test_every_model_module_that_imports_flax_applies_the_settings():

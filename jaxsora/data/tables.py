@@ -128,12 +128,31 @@ def table_files(table: str) -> list[str]:
     return files
 
 
+_CHECKED: dict = {}  # check_table's answers: (file, size, mtime) of each local table file → row count
+
+
 def check_table(table: str) -> int:
     """Cheap checks before a run takes its folder: every file exists and reads, has the required
     columns, and the table has at least one row. Reads headers and row counts only (parquet
-    metadata; a CSV is scanned without parsing its values). Returns the row count."""
+    metadata; a CSV is scanned without parsing its values). Returns the row count. A local table
+    checked before in this process, its files unchanged, is not read again (the trainer's command
+    line checks it before importing jax, and the run once more)."""
+    files = table_files(table)
+    key = None
+    if not any(is_url(f) for f in files):
+        stats = [os.stat(f) for f in files]
+        key = tuple((f, st.st_size, st.st_mtime_ns) for f, st in zip(files, stats))
+        if key in _CHECKED:
+            return _CHECKED[key]
+    rows = _check_table_files(table, files)
+    if key is not None:
+        _CHECKED[key] = rows
+    return rows
+
+
+def _check_table_files(table: str, files: list) -> int:
     rows = 0
-    for f in table_files(table):
+    for f in files:
         try:
             if f.endswith(".parquet"):
                 import pyarrow.parquet as pq

@@ -48,12 +48,11 @@ def _body() -> int:
     from absl import flags
 
     FLAGS = flags.FLAGS
-    # The checks that need neither jax nor a file, first: such a mistake is answered before jax is imported
-    # (train() runs them again with the rest of validate_config).
-    from jaxsora.train.plan.validate import check_ranges, check_run_flags
+    # The checks that need no jax (config, flags, paths, the table's files), first: such a mistake is answered
+    # before jax is imported (train() runs them again with the rest of validate_config).
+    from jaxsora.train.plan.validate import check_before_jax
 
-    check_ranges(FLAGS.config)
-    check_run_flags(FLAGS)
+    check_before_jax(FLAGS.config, FLAGS)
     from jaxsora.parallel.distributed import initialize
 
     initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)

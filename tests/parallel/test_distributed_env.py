@@ -205,8 +205,10 @@ def test_kubernetes_without_its_package_is_a_quiet_single_process(env, recwarn):
 
 
 def test_the_train_command_reports_bad_settings_in_one_line(env, tmp_path):
+    # a table that passes the checks made before jax.distributed (the settings are what this test is about)
+    (tmp_path / "t.csv").write_text("path,text,num_frames,height,width\na.mp4,x,8,32,32\n")
     cmd = [sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
-           "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"]
+           "--data-path", "t.csv", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"]
     r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                        timeout=300, cwd=str(tmp_path))
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

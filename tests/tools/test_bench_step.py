@@ -1,4 +1,4 @@
-"""bench/step.py's profile reading: a GPU trace's kernels named by their HLO instructions.
+"""bench/step.py: its profile reading (a GPU trace's kernels named by their HLO instructions) and its A/B switch.
 
 Kernel names are those of an H200 trace (jax 0.11.2, the XL/2 step run as a CUDA graph, no `hlo_op` stat):
 XLA's own kernels carry the instruction's name with '.' written '_'; cuBLAS and cuDNN kernels carry none."""
@@ -52,3 +52,24 @@ def test_library_kernels_by_their_names():
     assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1") == "attention"
     assert kind("void cudnn::fusion::compute_dot_do_o<true>(void const*, void const*)") == "attention"
     assert kind("jax::cuda::(anonymous namespace)::ThreeFry2x32Kernel(unsigned int const*)") == "other"
+
+
+def test_dense_backward_switch_changes_the_traced_program_and_restores_it():
+    """`--dense-backward autodiff` (an A/B of the weight-gradient form on GPU) must reach every Linear layer while
+    it is on, and leave layers.dense_matmul's own backward in place after."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxsora.models import layers, lora
+
+    def program():  # a new function each time: jax caches a trace by the function traced
+        m = layers.dense(4, 8, ("embed", "mlp"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+        return str(jax.make_jaxpr(lambda x: m(x).sum())(jnp.ones((2, 4))))
+
+    assert "custom_vjp" in program()
+    with bench_step.dense_backward("autodiff"):
+        assert "custom_vjp" not in program()
+        assert lora.dense_matmul is layers.dense_matmul
+    assert "custom_vjp" in program()
+    assert lora.dense_matmul is layers.dense_matmul

@@ -11,6 +11,7 @@ import sys
 
 from jaxsora.data import text_length
 from jaxsora.errors import ConfigError
+from jaxsora.train.plan.ranges import RANGES, check_ranges  # noqa: F401  (RANGES: re-exported)
 
 
 def _need_file(path, what):
@@ -32,85 +33,53 @@ def need_table(table, what):
         raise ConfigError(f"{what}: {e}") from None
 
 
-# The documented range of every numeric knob: key → (low, high, note). `low`/`high` are
-# inclusive bounds (None: unbounded); the note says what the ends mean. Checked before any work.
-RANGES = {
-    "train.max_steps": (0, None, "optimizer steps of the run; 0 writes the initial checkpoint only"),
-    "train.ckpt_every": (1, None, "steps between checkpoints"),
-    "train.epochs": (0, None, "epochs of the run (steps per epoch from the bucket plan), max_steps a cap; "
-                              "0: max_steps only"),
-    "train.log_every": (1, None, "steps between console/metrics lines"),
-    "train.keep_ckpts": (0, None, "newest checkpoints kept; 0 keeps all"),
-    "train.max_nonfinite_steps": (1, None, "non-finite steps in a row before the run stops"),
-    "train.max_param_norm_growth": (1.0, None, "an update growing the parameter norm by more is rejected; "
-                                              "0 turns the check off"),
-    "train.watchdog_factor": (1.0, None, "a step or batch wait this many times the median is a stall"),
-    "train.watchdog_min_seconds": (1.0, None, "never report a stall shorter than this"),
-    "train.device_memory_gib": (0.0, None, "0: the device's own limit"),
-    "train.compile_threads": (0, None, "0: min(8, CPUs)"),
-    "train.seed": (0, None, ""),
-    "optim.lr": (0.0, None, "must be > 0"),
-    "optim.warmup_steps": (0, None, ""),
-    "optim.cooldown_steps": (0, None, ""),
-    "optim.min_lr": (0.0, None, ""),
-    "optim.max_lr": (0.0, None, ""),
-    "optim.eps": (0.0, None, "must be > 0"),
-    "optim.weight_decay": (0.0, None, ""),
-    "optim.grad_clip": (0.0, None, "0: no clipping"),
-    "optim.ema_decay": (0.0, 1.0, ""),
-    "data.num_workers": (0, None, "0: decode in the training process"),
-    "data.decode_threads": (1, None, ""),
-    "data.codec_threads": (0, 64, "0: host cores ÷ (workers × read threads), clamped to 1-4"),
-    "data.prefetch": (1, None, ""),
-    "data.frame_interval": (1, None, ""),
-    "data.batch_size_override": (0, None, "0: the bucket config's batch sizes"),
-    "data.seed": (0, None, ""),
-    "model.class_dropout_prob": (0.0, 1.0, ""),
-    "model.remat_blocks": (-1, None, "-1: all block pairs"),
-    "eval.every": (0, None, "steps between validation losses; 0: none during training"),
-    "eval.num_timesteps": (1, None, "fixed timesteps of the validation loss"),
-    "eval.max_batches_per_bucket": (0, None, "0: every row of the eval table"),
-    "eval.seed": (0, 2**31 - 1, ""),
-    "eval.decode_threads": (1, None, ""),
-    "train.peak_flops": (0.0, None, "peak FLOP/s per device for MFU; 0: the device table"),
-    "scheduler.scale": (0.0, None, "must be > 0"),
-    "scheduler.transform_scale": (0.0, None, "must be > 0"),
-    "lora.rank": (0, None, "0: LoRA off"),
-    "lora.alpha": (0.0, None, "must be > 0; scale = alpha / rank"),
-    "lora.dropout": (0.0, 1.0, "on the adapters' input, training only; must be < 1"),
-}
-# Knobs where the low end itself is meaningless (a zero learning rate, eps or scale).
-_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale", "lora.alpha"}
-# 0 is allowed besides the range (an "off" switch).
-_ZERO_MEANS_OFF = {"train.max_param_norm_growth"}
+def profile_range(spec: str | None) -> tuple[int, int] | None:
+    """--profile START:STOP → (START, STOP); None when not given."""
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b:
+        raise ConfigError(f"--profile expects START:STOP step numbers with START < STOP, got {spec!r}")
+    return a, b
 
 
-def _get(config, key):
-    node = config
-    for part in key.split("."):
-        if part not in node:
-            return None
-        node = node[part]
-    return node
+def _check_wandb_mode(config) -> None:
+    wcfg = config.get("wandb") or {}
+    if wcfg.get("enabled", False) and wcfg.get("mode", "online") not in ("online", "offline", "disabled"):
+        raise ConfigError(f"wandb.mode must be online, offline or disabled, got {wcfg.get('mode')!r}")
 
 
-def check_ranges(config) -> None:
-    """Every numeric knob of RANGES that the config has: a number within its range."""
-    for key, (low, high, note) in RANGES.items():
-        value = _get(config, key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        if key in _ZERO_MEANS_OFF and value == 0:
-            continue
-        too_low = low is not None and (value <= low if key in _EXCLUSIVE_LOW else value < low)
-        too_high = high is not None and value > high
-        if too_low or too_high or value != value:  # value != value: NaN
-            lo = "" if low is None else (f"> {low}" if key in _EXCLUSIVE_LOW else f">= {low}")
-            hi = "" if high is None else f"<= {high}"
-            rng = " and ".join(x for x in (lo, hi) if x)
-            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rng}" + (f" ({note})" if note else ""))
+def _check_paths_exist(config, opts) -> None:
+    """--load and --ckpt-path name something on disk, or --load an experiment number of the outputs folder."""
+    for flag, path in (("--load", opts.load), ("--ckpt-path", opts.ckpt_path)):
+        if path and not os.path.exists(path) and flag == "--load" and str(path).isdigit():
+            from jaxsora.runs import find_run
+
+            find_run(path, getattr(opts, "outputs", None) or config.train.outputs, what="--load")
+        elif path and not os.path.exists(path):
+            raise ConfigError(f"{flag}: no such file or folder: {path}")
+
+
+def check_before_jax(config, opts) -> None:
+    """What the config, the flags and the table files alone show wrong: ranges, contradicting flags, --profile,
+    the wandb mode, the --load/--ckpt-path paths, the table's files, columns and rows (not in a dry run: it reports
+    an empty plan). The trainer's command line runs them before importing jax (an answer in about a second);
+    `train()` runs them again (`validate_config`; `check_table` remembers a table it has read)."""
+    check_ranges(config)
+    check_run_flags(opts)
+    profile_range(opts.profile)
+    _check_wandb_mode(config)
+    _check_paths_exist(config, opts)
+    if not config.data.get("features"):
+        table = opts.data_path or config.data.get("table")
+        need_table(table, "data.table (--data-path)")
+        if not opts.dry_run:
+            from jaxsora.data.tables import check_table
+
+            check_table(table)
 
 
 def check_run_flags(opts) -> None:
@@ -163,9 +132,7 @@ def validate_config(config, opts=None) -> None:
                 print(f"[jaxsora] dry run: {e} (needed to train)", file=sys.stderr)
     if opts is not None:
         check_run_flags(opts)
-        for flag, path in (("--load", opts.load), ("--ckpt-path", opts.ckpt_path)):
-            if path and not os.path.exists(path):
-                raise ConfigError(f"{flag}: no such file or folder: {path}")
+        _check_paths_exist(config, opts)
         _check_sources(opts)
 
     for axis in ("data", "fsdp", "sequence"):
@@ -191,10 +158,9 @@ def validate_config(config, opts=None) -> None:
     betas = tuple(config.optim.get("betas", (0.9, 0.999)))
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas!r}")
+    _check_wandb_mode(config)
     wcfg = config.get("wandb")
     if wcfg is not None and wcfg.get("enabled", False):
-        if wcfg.get("mode", "online") not in ("online", "offline", "disabled"):
-            raise ConfigError(f"wandb.mode must be online, offline or disabled, got {wcfg.get('mode')!r}")
         try:
             import wandb  # noqa: F401
         except ImportError as e:

@@ -44,25 +44,11 @@ class RunOptions:
     profile: str | None = None  # "START:STOP": a jax.profiler trace of those steps
 
 
-def _profile_range(spec: str | None) -> tuple[int, int] | None:
-    if not spec:
-        return None
-    try:
-        a, b = (int(x) for x in spec.split(":"))
-    except ValueError:
-        a = b = -1
-    if not 0 <= a < b:
-        from jaxsora.errors import ConfigError
-
-        raise ConfigError(f"--profile expects START:STOP step numbers with START < STOP, got {spec!r}")
-    return a, b
-
-
 def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | None = None,
           eval_data_factory=None) -> dict:
     """Run training (or the dry run); returns a summary dict. `loader_factory(config, dp, text_inputs)`
     and `eval_data_factory(config, setup, outdir)` replace the video loader and the eval data."""
-    from jaxsora.train.plan.validate import validate_config
+    from jaxsora.train.plan.validate import profile_range, validate_config
 
     if opts.data_path:
         config.data.table = opts.data_path
@@ -74,7 +60,7 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
         from jaxsora.train.eval import loss as eval_lib
 
         eval_lib.check_config(config)  # the eval table, buckets and text states, before any work
-    profile = _profile_range(opts.profile)
+    profile = profile_range(opts.profile)
     tcfg = config.train
     outdir = run_folder.given_run_folder(opts)  # None: a new numbered folder, made once the table checked out
     # The persistent compilation cache: shared by every experiment under the outputs folder, unless
