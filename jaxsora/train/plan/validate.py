@@ -55,12 +55,13 @@ def _check_wandb_mode(config) -> None:
 def _check_paths_exist(config, opts) -> None:
     """--load and --ckpt-path name something on disk, or --load an experiment number of the outputs folder."""
     for flag, path in (("--load", opts.load), ("--ckpt-path", opts.ckpt_path)):
-        if path and not os.path.exists(path) and flag == "--load" and str(path).isdigit():
-            from jaxsora.runs import find_run
-
-            find_run(path, getattr(opts, "outputs", None) or config.train.outputs, what="--load")
-        elif path and not os.path.exists(path):
+        if not path or os.path.exists(path):
+            continue
+        if flag != "--load" or not str(path).isdigit():
             raise ConfigError(f"{flag}: no such file or folder: {path}")
+        from jaxsora.runs import find_run
+
+        find_run(path, getattr(opts, "outputs", None) or config.train.outputs, what="--load")  # or its error
 
 
 def check_before_jax(config, opts) -> None:
