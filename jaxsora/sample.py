@@ -142,7 +142,7 @@ def read_prompts(args) -> list[str]:
 def make_settings(args, run_config: dict | None):
     """SampleSettings from the flags; what is not given comes from the run config's `sample`
     section (size, frames, fps, aes/flow, cfg_scale) or Open-Sora's defaults."""
-    from jaxsora.infer.pipeline import default_settings
+    from jaxsora.infer.options import default_settings
 
     kw = dict(num_sampling_steps=args.num_sampling_steps, seed=args.seed,
               batch_size=args.batch_size, loop=args.loop, condition_frame_length=args.condition_frame_length,
@@ -216,7 +216,7 @@ def _same_job(args, ckpt: str, step_dir: str, prompts: list[str], settings) -> s
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from jaxsora.infer.pipeline import find_step_dir
+    from jaxsora.infer.locate import find_step_dir
 
     name = os.path.basename(step_dir)
     step = int(name) if name.isdigit() else -1
@@ -248,15 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.num_sample < 1:
         raise BadInput(f"--num-sample must be at least 1, got {args.num_sample}")
 
-    import jax
-
-    import jaxsora  # noqa: F401
+    # Every check of the input runs before jax is imported (a mistake is answered at once) and before connecting,
+    # so a mistake ends each process alone (no process is left waiting for another one in jax.distributed).
     from jaxsora.infer import options as opt
-    from jaxsora.infer.pipeline import Pipeline, default_mesh, find_step_dir, read_run_config, write_samples
+    from jaxsora.infer.locate import find_step_dir, read_run_config, vae_spec
 
     step_dir = find_step_dir(ckpt, args.step)
-    _use_compilation_cache(args.compilation_cache, step_dir)
     run_config = read_run_config(step_dir)
+    vae_spec(args.vae, run_config)  # a converted checkpoint without --vae, a --vae path that is not there
     settings = make_settings(args, run_config)
     # Everything about the settings is checked before any weight is read.
     extra = ((run_config or {}).get("data") or {}).get("resolutions") or None
@@ -272,11 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not os.path.isfile(path):
                 raise MissingFile(f"--reference-path: no such file {path}")
         opt.split_prompt(opt.extract_json(p)[0])
-
     if args.sp_size < 1 or (args.dp_size is not None and args.dp_size < 1):
         raise BadInput("--dp-size and --sp-size must be positive")
-    # Every check of the input above runs before connecting, so a mistake ends each process alone
-    # (no process is left waiting for another one in jax.distributed).
+
+    import jax
+
+    from jaxsora.infer.pipeline import Pipeline, default_mesh, write_samples
+
+    _use_compilation_cache(args.compilation_cache, step_dir)
     _start_distributed(args)
     step_dir = _same_job(args, ckpt, step_dir, prompts, settings)
     mesh = default_mesh(args.dp_size, args.sp_size)

@@ -1,14 +1,14 @@
 """Checkpoint layout: the items of a step folder and which TrainState field goes where, the
-checkpoint errors, and finding checkpoints (`resolve_checkpoint`, `checkpoint_steps`)."""
+checkpoint errors, and finding checkpoints (`resolve_checkpoint`, `checkpoint_steps`).
+
+Imports no jax at module level: the sampler finds its checkpoint step (and answers a wrong path or step)
+before it imports jax."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
 
-import jax
-
-from jaxsora.checkpoint.orbax_errors import one_line_error
 from jaxsora.errors import UserError
 
 WEIGHT_ITEMS = ("params", "frozen", "ema")  # what sampling, conversion and --ckpt-path read
@@ -72,6 +72,8 @@ def _fields(tree) -> dict:
 
 def split_items(state) -> dict[str, dict]:
     """{array item: {field: subtree}} of a state, in ARRAY_ITEMS order; items without arrays are left out."""
+    import jax
+
     parts: dict[str, dict] = {}
     for field, value in _fields(state).items():
         parts.setdefault(item_of(field), {})[field] = value
@@ -129,6 +131,18 @@ def resolve_checkpoint(path: str, step: int | None = None) -> tuple[str, int | N
     return p, step
 
 
+def read_config(step_dir: str) -> dict:
+    """A step folder's `config` JSON item (a converter output's older single `config` file too)."""
+    from jaxsora.errors import MissingFile
+
+    for name in ("config/metadata", "config"):
+        f = os.path.join(step_dir, name)
+        if os.path.isfile(f):
+            with open(f) as fh:
+                return json.load(fh)
+    raise MissingFile(f"{step_dir} has no config item")
+
+
 def checkpoint_steps(root: str) -> list[int]:
     """The step folders of a checkpoints root, ascending (unfinished `*.orbax-checkpoint-tmp` excluded)."""
     return _numeric_children(root)
@@ -146,6 +160,8 @@ def _entries(step_dir: str) -> set:
     try:
         entries = set(os.listdir(step_dir))
     except OSError as e:
+        from jaxsora.checkpoint.orbax_errors import one_line_error
+
         raise _Unusable(f"unreadable folder ({one_line_error(e)})") from None
     if not entries:
         raise _Unusable("empty folder")

@@ -20,13 +20,13 @@ weights (EMA or not) from any such folder — a manager root (newest step) or on
 """
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxsora.checkpoint.layout import read_config
 from jaxsora.errors import MissingFile, WeightsError
 from jaxsora.io.fill import fill_module
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
@@ -75,15 +75,6 @@ def resolve_step_dir(path: str, step: int | None = None) -> str:
     if step not in steps:
         raise MissingFile(f"{path} has no step {step}; it has {steps}")
     return os.path.join(path, str(step))
-
-
-def read_config(step_dir: str) -> dict:
-    for name in ("config/metadata", "config"):
-        f = os.path.join(step_dir, name)
-        if os.path.isfile(f):
-            with open(f) as fh:
-                return json.load(fh)
-    raise MissingFile(f"{step_dir} has no config item")
 
 
 def _flatten(tree, prefix=()):

@@ -6,22 +6,33 @@
     videos = pipe.generate(["a red circle moving right"], settings)  # [T, H, W, 3] uint8 each
     paths = write_samples(videos, prompts, settings, "samples/", pipe.meta())
 
-`python -m jaxsora.sample` is the command line over the same pieces.
+`python -m jaxsora.sample` is the command line over the same pieces. The names load their modules on first use:
+`locate` and `options` (finding the checkpoint, the settings) import no jax, so the command line answers a wrong
+path or setting before it imports jax.
 """
-from jaxsora.infer.conditioning import build_condition, prompt_key
-from jaxsora.infer.loading import find_step_dir
-from jaxsora.infer.options import (
-                                   SampleSettings,
-                                   append_score_to_prompts,
-                                   find_nearest_point,
-                                   get_image_size,
-                                   get_num_frames,
-                                   parse_mask_strategy,
-                                   place_group,
-)
-from jaxsora.infer.pipeline import Pipeline
-from jaxsora.infer.writing import write_samples
+import importlib
 
-__all__ = ["Pipeline", "SampleSettings", "write_samples", "get_image_size", "get_num_frames", "parse_mask_strategy",
-           "find_nearest_point", "place_group", "append_score_to_prompts", "build_condition", "find_step_dir",
-           "prompt_key"]
+_MODULES = {
+    "conditioning": ("build_condition", "prompt_key"),
+    "locate": ("find_step_dir",),
+    "options": ("SampleSettings", "append_score_to_prompts", "find_nearest_point", "get_image_size", "get_num_frames",
+                "parse_mask_strategy", "place_group"),
+    "pipeline": ("Pipeline",),
+    "writing": ("write_samples",),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
+
+__all__ = sorted(_HOME)

@@ -121,6 +121,20 @@ class SampleSettings:
         return Resolved(height=h, width=w, num_frames=t)
 
 
+def default_settings(run_config: Mapping | None = None, **overrides) -> SampleSettings:
+    """SampleSettings with the run config's `sample` section (height/width, num_frames, fps, and
+    aes/flow/cfg_scale when it names them) in place of Open-Sora's defaults, then `overrides`."""
+    s = dict((run_config or {}).get("sample") or {})
+    kw: dict[str, Any] = {}
+    if s.get("height") and s.get("width"):
+        kw["image_size"] = (int(s["height"]), int(s["width"]))
+    for k in ("num_frames", "fps", "aes", "flow", "cfg_scale"):
+        if k in s:
+            kw[k] = s[k]
+    kw.update(overrides)
+    return SampleSettings(**kw)
+
+
 @dataclasses.dataclass(frozen=True)
 class Resolved:
     height: int

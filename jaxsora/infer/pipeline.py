@@ -18,8 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,20 +38,17 @@ from jaxsora.infer.conditioning import (
     read_reference,
     vae_align,
 )
-from jaxsora.infer.loading import (
+from jaxsora.infer.loading import build_components, build_vae, model_config, restore_model
+from jaxsora.infer.locate import (
     CONVERTED_HINT,
     PipelineError,
-    _read_config,
-    build_components,
-    build_vae,
     find_step_dir,
-    model_config,
     read_run_config,
-    restore_model,
+    read_stored_config,
     text_encoder_spec,
     vae_spec,
 )
-from jaxsora.infer.options import SampleSettings
+from jaxsora.infer.options import SampleSettings, default_settings
 from jaxsora.infer.writing import sample_name, write_samples
 
 __all__ = ["Pipeline", "PipelineError", "CONVERTED_HINT", "default_mesh", "default_settings", "find_step_dir",
@@ -68,20 +64,6 @@ def default_mesh(dp: int | None = None, sp: int = 1) -> jax.sharding.Mesh:
     from jaxsora.parallel.mesh import make_mesh
 
     return make_mesh({"data": -1 if dp is None else int(dp), "fsdp": 1, "sequence": int(sp)})
-
-
-def default_settings(run_config: Mapping | None = None, **overrides) -> SampleSettings:
-    """SampleSettings with the run config's `sample` section (height/width, num_frames, fps, and
-    aes/flow/cfg_scale when it names them) in place of Open-Sora's defaults, then `overrides`."""
-    s = dict((run_config or {}).get("sample") or {})
-    kw: dict[str, Any] = {}
-    if s.get("height") and s.get("width"):
-        kw["image_size"] = (int(s["height"]), int(s["width"]))
-    for k in ("num_frames", "fps", "aes", "flow", "cfg_scale"):
-        if k in s:
-            kw[k] = s[k]
-    kw.update(overrides)
-    return SampleSettings(**kw)
 
 
 class Pipeline:
@@ -131,7 +113,7 @@ class Pipeline:
         from jaxsora.parallel.mesh import check_sequence_parallel, logical_rules, sequence_parallel_size
 
         step_dir = find_step_dir(ckpt, step)
-        stored = _read_config(step_dir)
+        stored = read_stored_config(step_dir)
         if not isinstance(stored, dict) or "model" not in stored:
             raise PipelineError(f"{step_dir}/config has no 'model' entry (not a jaxsora checkpoint)")
         run_cfg = stored if ("vae" in stored or "text_encoder" in stored) else None
