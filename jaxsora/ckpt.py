@@ -45,9 +45,9 @@ def _reports(path: str, step):
 
 
 def cmd_list(args) -> int:
+    root, reports, unfinished = _reports(args.dir, args.step)  # a wrong path: answered before jax is imported
     from jaxsora.checkpoint.orbax_errors import fmt_bytes
 
-    root, reports, unfinished = _reports(args.dir, args.step)
     print(f"checkpoints in {root}")
     width = max([len("contents")] + [len(r.contents) for r in reports])
     print(f"{'step':>8}  {'size':>10}  {'contents':<{width}}  status")

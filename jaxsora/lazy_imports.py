@@ -9,6 +9,9 @@ callable" (seen once in `make test`). Two such blocks in two threads can also le
 good (each restores what it found). `install` keeps one dispatching `builtins.__import__` and makes
 `epy.lazy_imports()` lazy for its own thread only; every jaxsora command installs it first
 (`jaxsora.errors.run_cli`), and so does the trainer's checkpointer for library use.
+
+`lazy_names` is the package side of lazy importing: the packages whose commands answer mistakes before importing
+jax (`jaxsora.checkpoint`, `jaxsora.convert`, `jaxsora.infer`) load a name's submodule when it is first used.
 """
 from __future__ import annotations
 
@@ -51,3 +54,26 @@ def install() -> None:
         builtins.__import__ = dispatch
         epy.lazy_imports = lazy_imports_utils.lazy_imports = lazy_imports
         _installed = True
+
+
+def lazy_names(package: str, modules: dict[str, tuple[str, ...]]):
+    """A package's `__getattr__`, `__dir__` and `__all__` (PEP 562) for names that live in its submodules
+    ({submodule: names}): `from package import name` imports that submodule on first use, not with the package.
+    A command can then use a light submodule (a checkpoint's layout, the sampler's settings) and answer a wrong
+    path or setting before the heavy ones import jax."""
+    import importlib
+    import sys
+
+    home = {name: module for module, names in modules.items() for name in names}
+
+    def __getattr__(name: str):
+        if name not in home:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{home[name]}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(home))
+
+    return __getattr__, __dir__, sorted(home)

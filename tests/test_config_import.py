@@ -1,7 +1,8 @@
 """A config file loads without jax (`jaxsora.models` imports nothing heavy; the configs read
 `jaxsora.models.text_defaults`), and the trainer checks the config, its flags, paths and table files before it
-imports jax, so that such a mistake is answered at once — and the Flax settings that moved
-out of the package root (`jaxsora.models._flax`) still reach every model module."""
+imports jax, so that such a mistake is answered at once (so do the sampler, `ckpt` and `convert` with a wrong path)
+— and the Flax settings that moved out of the package root (`jaxsora.models._flax`) still reach every model
+module."""
 import ast
 import subprocess
 import sys
@@ -88,3 +89,33 @@ def test_every_model_module_that_imports_flax_applies_the_settings():
     assert not missing, missing
     # and in a fresh interpreter the setting is in place once a model module is imported
     assert _fresh("import jaxsora.models.t5, flax; print(flax.config.flax_always_shard_variable)") == "False"
+
+
+@pytest.mark.parametrize("args, said", [
+    (["jaxsora.sample", "{tmp}/nowhere", "--prompt", "x"], "checkpoint folder not found"),
+    (["jaxsora.ckpt", "list", "{tmp}/nowhere"], "checkpoint folder not found"),
+    (["jaxsora.ckpt", "verify", "{tmp}/nowhere"], "checkpoint folder not found"),
+    (["jaxsora.convert", "to-torch", "{tmp}/nowhere", "{tmp}/out.safetensors"], "checkpoint folder not found"),
+    (["jaxsora.convert", "from-torch", "{tmp}/none.pth", "{tmp}/ck"], "weights file not found"),
+])
+def test_the_other_commands_answer_a_wrong_path_before_jax(args, said, tmp_path):
+    """The sampler, `ckpt` and `convert` with a checkpoint or weights path that is not there: one line, exit code 2,
+    none of jax/flax/optax/orbax/torch imported (their packages load names on first use: `lazy_names`)."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", *args], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    lines = r.stderr.splitlines()
+    errors = [ln for ln in lines if not ln.startswith("import time:")]
+    imported = {ln.split("|")[-1].strip() for ln in lines if ln.startswith("import time:")}
+    assert r.returncode == 2 and len(errors) == 1 and said in errors[0], r.stderr[-3000:]
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+@pytest.mark.parametrize("package", ["jaxsora.checkpoint", "jaxsora.convert", "jaxsora.infer"])
+def test_every_lazy_name_resolves(package):
+    """A lazily loaded package's table names each name's real module: every name of its `__all__` is there."""
+    import importlib
+
+    mod = importlib.import_module(package)
+    missing = [name for name in mod.__all__ if not hasattr(mod, name)]
+    assert not missing and set(mod.__all__) <= set(dir(mod)), missing

@@ -66,35 +66,20 @@ The package, by concern: `layout` (items, errors, finding steps), `integrity` (t
 `check_resumable`), `weights` (weights-only readers), `verify` (`verify_step`, the `ckpt` CLI).
 Everything is imported from `jaxsora.checkpoint`, as before the split.
 """
-import importlib
+from jaxsora.lazy_imports import lazy_names
 
-# Each name's module (`from jaxsora.checkpoint import X` or `jaxsora.checkpoint.X` loads it on first use): finding a
-# checkpoint (`layout`) imports no jax, so a command can answer a wrong checkpoint path before importing it.
-_MODULES = {
+# Each name's module loads on first use (`from jaxsora.checkpoint import X`): finding a checkpoint (`layout`) imports
+# no jax, so a command can answer a wrong checkpoint path before importing it.
+__getattr__, __dir__, __all__ = lazy_names(__name__, {
     "integrity": ("_integrity_doc", "_json_digest", "write_integrity_record"),
     "layout": ("ARRAY_ITEMS", "CHECKPOINT_FORMAT", "FINGERPRINT_METHOD", "INTEGRITY_FILE", "INTEGRITY_FORMAT", "ITEMS",
                "JSON_ITEMS", "LEGACY_ITEM", "OPT_ITEM", "TMP_SUFFIX", "WEIGHT_ITEMS", "CheckpointError",
                "CheckpointNotFoundError", "CheckpointWriteError", "checkpoint_steps", "has_weights", "is_legacy_layout",
-               "item_of", "resolve_checkpoint", "split_items", "unfinished_saves"),
+               "item_of", "read_config", "resolve_checkpoint", "resolve_step_dir", "split_items",
+               "unfinished_saves"),
     "orbax_io": ("_host_item", "item_metadata_tree"),
     "restore_state": ("check_resumable", "restore"),
     "save": ("Checkpointer",),
     "verify": ("StepReport", "folder_bytes", "step_contents", "verify_step"),
     "weights": ("LEGACY_EXTRA_FIELDS", "read_json_item", "read_weights", "verify_arrays", "weight_fields"),
-}
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME))
-
-
-__all__ = sorted(_HOME)  # the private names (_host_item, ...) are used by tests and tools
+})

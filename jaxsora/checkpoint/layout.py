@@ -131,6 +131,26 @@ def resolve_checkpoint(path: str, step: int | None = None) -> tuple[str, int | N
     return p, step
 
 
+def resolve_step_dir(path: str, step: int | None = None) -> str:
+    """A step folder holding weights (`params/`, `ema/`, or the older `state/`): from a manager root (a run's
+    checkpoints/, a `convert from-torch` output) its newest such step, or `step`; or a step folder itself."""
+    from jaxsora.errors import MissingFile
+
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise MissingFile(f"checkpoint folder not found: {path}")
+    if has_weights(path):
+        return path
+    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and has_weights(os.path.join(path, d)))
+    if not steps:
+        raise MissingFile(f"{path} holds no jaxsora checkpoint (no <step>/params or <step>/state folder)")
+    if step is None:
+        return os.path.join(path, str(steps[-1]))
+    if step not in steps:
+        raise MissingFile(f"{path} has no step {step}; it has {steps}")
+    return os.path.join(path, str(step))
+
+
 def read_config(step_dir: str) -> dict:
     """A step folder's `config` JSON item (a converter output's older single `config` file too)."""
     from jaxsora.errors import MissingFile

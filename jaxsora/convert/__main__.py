@@ -42,8 +42,16 @@ def main(argv=None) -> int:
     f.add_argument("--seed", type=int, default=0, help="seed for what the file lacks (initialized as the reference)")
     f.add_argument("--strict", action="store_true", help="fail unless every key maps one to one")
     args = ap.parse_args(argv)
+    # The input path is checked before jax is imported: a wrong one is answered at once.
+    if args.cmd == "to-torch":
+        from jaxsora.checkpoint.layout import resolve_step_dir
 
-    import jaxsora  # noqa: F401  (flax settings)
+        resolve_step_dir(args.ckpt, args.step)
+    else:
+        from jaxsora.io.weights import weights_file
+
+        weights_file(args.input)
+
     from jaxsora.convert import native
     from jaxsora.convert import torch as tconv
 

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxsora.checkpoint.layout import read_config
-from jaxsora.errors import MissingFile, WeightsError
+from jaxsora.checkpoint.layout import read_config, resolve_step_dir
+from jaxsora.errors import WeightsError
 from jaxsora.io.fill import fill_module
 from jaxsora.models.stdit3 import STDiT3, STDiT3Config
 
@@ -55,26 +55,6 @@ def save_weights(path: str, model: STDiT3, *, ema: dict | None = None, step: int
         ))
         mngr.wait_until_finished()
     return path
-
-
-def resolve_step_dir(path: str, step: int | None = None) -> str:
-    """A step folder (holding weights: `params/`, `ema/`, or the older `state/`) from a manager
-    root or a step folder."""
-    from jaxsora.checkpoint import has_weights
-
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise MissingFile(f"checkpoint folder not found: {path}")
-    if has_weights(path):
-        return path
-    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit() and has_weights(os.path.join(path, d)))
-    if not steps:
-        raise MissingFile(f"{path} holds no jaxsora checkpoint (no <step>/params or <step>/state folder)")
-    if step is None:
-        return os.path.join(path, str(steps[-1]))
-    if step not in steps:
-        raise MissingFile(f"{path} has no step {step}; it has {steps}")
-    return os.path.join(path, str(step))
 
 
 def _flatten(tree, prefix=()):

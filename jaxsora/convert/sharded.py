@@ -70,7 +70,7 @@ def read_native_weights(path: str, targets: dict, *, ema: bool = False, step: in
     import orbax.checkpoint as ocp
 
     from jaxsora import checkpoint as ck
-    from jaxsora.convert.native import resolve_step_dir
+    from jaxsora.checkpoint.layout import resolve_step_dir
 
     step_dir = resolve_step_dir(path, step)
     try:

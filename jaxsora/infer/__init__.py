@@ -10,29 +10,13 @@
 `locate` and `options` (finding the checkpoint, the settings) import no jax, so the command line answers a wrong
 path or setting before it imports jax.
 """
-import importlib
+from jaxsora.lazy_imports import lazy_names
 
-_MODULES = {
+__getattr__, __dir__, __all__ = lazy_names(__name__, {
     "conditioning": ("build_condition", "prompt_key"),
     "locate": ("find_step_dir",),
     "options": ("SampleSettings", "append_score_to_prompts", "find_nearest_point", "get_image_size", "get_num_frames",
                 "parse_mask_strategy", "place_group"),
     "pipeline": ("Pipeline",),
     "writing": ("write_samples",),
-}
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME))
-
-
-__all__ = sorted(_HOME)
+})

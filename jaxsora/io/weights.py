@@ -190,20 +190,27 @@ def unwrap(tree: Mapping[str, Any], is_tensor) -> dict:
     return out
 
 
-def open_state_dict(path: str) -> Mapping[str, LazyTensor]:
-    """{key: LazyTensor} of a weights file, unwrapped (see the module docstring), or of a Hugging
-    Face / diffusers folder: the first of `HF_WEIGHT_FILES` it holds (a sharded `*.index.json` opens
-    its shards as their keys are asked for)."""
+def weights_file(path: str) -> str:
+    """The file `open_state_dict(path)` reads: `path` itself, or in a Hugging Face / diffusers folder the first of
+    `HF_WEIGHT_FILES` it holds. MissingFile when there is none (nothing is read)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         name = next((n for n in HF_WEIGHT_FILES if os.path.isfile(os.path.join(path, n))), None)
         if name is None:
             raise MissingFile(f"{path}: no weights in the folder (looked for {', '.join(HF_WEIGHT_FILES)})")
-        if name.endswith(".index.json"):
-            return ShardedStateDict(os.path.join(path, name))
         path = os.path.join(path, name)
     if not os.path.isfile(path):
         raise MissingFile(f"weights file not found: {path}")
+    return path
+
+
+def open_state_dict(path: str) -> Mapping[str, LazyTensor]:
+    """{key: LazyTensor} of a weights file, unwrapped (see the module docstring), or of a Hugging
+    Face / diffusers folder: the first of `HF_WEIGHT_FILES` it holds (a sharded `*.index.json` opens
+    its shards as their keys are asked for)."""
+    path = weights_file(path)
+    if path.endswith(".index.json"):
+        return ShardedStateDict(path)
     if path.endswith(".safetensors"):
         f = SafetensorsFile(path)
         return unwrap({k: f[k] for k in f}, lambda v: isinstance(v, LazyTensor))

@@ -310,7 +310,7 @@ def _check_sources(opts) -> None:
             raise ConfigError(f"--ckpt-path {opts.ckpt_path}: unknown weights format (expected a jaxsora checkpoint "
                               f"folder or one of {', '.join(WEIGHT_EXTS)})")
     elif opts.ckpt_path:
-        from jaxsora.convert.native import resolve_step_dir
+        from jaxsora.checkpoint.layout import resolve_step_dir
 
         resolve_step_dir(opts.ckpt_path)
 

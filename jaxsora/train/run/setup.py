@@ -221,7 +221,7 @@ def _lora_weights_source(setup: RunSetup, path: str) -> lora_lib.LoRASpec | None
     run = setup.plan.lora
     source = None
     if os.path.isdir(path):
-        from jaxsora.convert.native import read_config, resolve_step_dir
+        from jaxsora.checkpoint.layout import read_config, resolve_step_dir
 
         source = lora_lib.LoRASpec.from_config(read_config(resolve_step_dir(path)).get("lora"))
     if run is not None and "lora" in setup.config:
