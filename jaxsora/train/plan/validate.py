@@ -11,7 +11,7 @@ import sys
 
 from jaxsora.data import text_length
 from jaxsora.errors import ConfigError
-from jaxsora.train.plan.ranges import RANGES, check_ranges  # noqa: F401  (RANGES: re-exported)
+from jaxsora.train.plan.ranges import check_ranges
 
 
 def _need_file(path, what):
