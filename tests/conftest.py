@@ -42,6 +42,29 @@ def fixtures_dir() -> pathlib.Path:
     return FIXTURES
 
 
+_ZYGOTE = None
+
+
+def pytest_configure(config):
+    """Start this process's zygote (tests/zygote.py) before the test modules are imported: they take
+    `tests.zygote.PYTHON` (the launcher) instead of sys.executable for the commands they run. Not in
+    pytest-xdist's controller, which runs no test."""
+    global _ZYGOTE
+    from tests import zygote
+
+    if os.environ.get("JAXSORA_TEST_ZYGOTE") == "0" or (config.getoption("dist", "no") != "no"
+                                                       and not hasattr(config, "workerinput")):
+        return
+    _ZYGOTE = zygote.Zygote()
+    _ZYGOTE.start(dict(os.environ))
+    zygote.PYTHON = _ZYGOTE.python
+
+
+def pytest_unconfigure(config):
+    if _ZYGOTE is not None:
+        _ZYGOTE.stop()
+
+
 def pytest_collection_modifyitems(config, items):
     """Files holding `slow` tests run first, the longest first (`@pytest.mark.slow(seconds=N)`, default 20),
     stable otherwise: `make test` hands whole files to its workers (pytest-xdist, `--dist loadfile`) in this

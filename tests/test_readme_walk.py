@@ -21,7 +21,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -29,6 +28,7 @@ import pandas as pd
 import pytest
 
 from tests.xla_flags import cpu_flags
+from tests.zygote import PYTHON
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -232,7 +232,7 @@ def _as_walked(command: str, walk: Walk) -> list[str]:
             raise AssertionError(f"rewrite {old!r} not in the README command {command.strip()!r}")
     args = shlex.split(command) + shlex.split(walk.extra)
     assert args[0] == "python", command
-    return [sys.executable, *args[1:]]
+    return [PYTHON, *args[1:]]
 
 
 def _user_inputs(work: pathlib.Path) -> None:
@@ -281,12 +281,12 @@ def walk(chain: str, work: pathlib.Path) -> list[str]:
             assert old in code, old
             code = code.replace(old, new)
         started = time.time()
-        r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True,
+        r = subprocess.run([PYTHON, "-c", code], cwd=work, env=env, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stderr[-5000:]
         assert any(v.stat().st_mtime >= started for v in (work / "samples").glob("*.mp4")), "the example wrote no video"
     # The runs the chain made are the ones it named, and `python -m jaxsora.runs` lists each.
-    runs = subprocess.run([sys.executable, "-m", "jaxsora.runs"], cwd=work, env=env, capture_output=True, text=True)
+    runs = subprocess.run([PYTHON, "-m", "jaxsora.runs"], cwd=work, env=env, capture_output=True, text=True)
     named = {"/".join(a.expect.split("/")[:2]) for _, a in WALK  # outputs/NNN-demo[/...] → outputs/NNN-demo
              if isinstance(a, Walk) and a.chain == chain and a.expect and a.expect.startswith("outputs/0")}
     assert named, chain

@@ -1,7 +1,6 @@
 """State-dict names/shapes, parameter counts, round trips and the PixArt-Σ mapping."""
 import os
 import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +19,7 @@ from jaxsora.convert import (
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3, param_count
 from tests.conftest import FIXTURES, REPO
+from tests.zygote import PYTHON
 
 SPEC_TSV = REPO.parent / "shared" / "reference" / "stdit3-xl2-state-dict.tsv"
 REF_SD = str(FIXTURES / "stdit3_tiny_ref.safetensors")
@@ -141,13 +141,13 @@ def test_pixart_sigma_mapping():
 def test_cli_from_torch_to_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     ck = tmp_path / "ck"
-    r = subprocess.run([sys.executable, "-m", "jaxsora.convert", "from-torch", REF_SD, str(ck), "--model", "tiny"],
+    r = subprocess.run([PYTHON, "-m", "jaxsora.convert", "from-torch", REF_SD, str(ck), "--model", "tiny"],
                        capture_output=True, text=True, env=env, check=True)
     assert "mapped 89, initialized 0, ignored 0" in r.stdout
     from jaxsora.convert.__main__ import main as cli
 
     assert cli(["to-torch", str(ck), str(tmp_path / "back.safetensors")]) == 0
-    subprocess.run([sys.executable, "-m", "jaxsora.convert", "to-torch", str(ck), str(tmp_path / "back.pth")],
+    subprocess.run([PYTHON, "-m", "jaxsora.convert", "to-torch", str(ck), str(tmp_path / "back.pth")],
                    capture_output=True, text=True, env=env, check=True)
     for out in ("back.safetensors", "back.pth"):
         back = read_state_dict(str(tmp_path / out))

@@ -5,7 +5,6 @@ cache; the loader resumes exactly and refuses a changed cache; bad caches and se
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,6 +18,7 @@ from jaxsora.data.plan import DataStateMismatch
 from jaxsora.errors import OutputExists
 from jaxsora.train.run.setup import default_loader, fresh_state, setup_run
 from tests.train.common import REPO, small_config
+from tests.zygote import PYTHON
 
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
 
@@ -165,7 +165,7 @@ def test_a_features_run_reads_no_table(features, tmp_path):
 
 def _precompute(table, out, seed):
     """The README's precompute command (the demo config), in a process of its own hash seed."""
-    cmd = [sys.executable, "-m", "data_tools.precompute", "--latents", "--config",
+    cmd = [PYTHON, "-m", "data_tools.precompute", "--latents", "--config",
            os.path.join(REPO, "configs", "demo.py"), "--input", table, "--output", str(out), "--shard-size", "4",
            "--batch-size", "4", "--no-progress"]
     r = subprocess.run(cmd, env={**ENV, "PYTHONHASHSEED": str(seed)}, capture_output=True, text=True, timeout=600)
@@ -236,14 +236,14 @@ def test_corrupt_or_unfinished_cache_is_one_line(features, tmp_path):
     with pytest.raises(FeatureCacheError, match="run the same `python -m data_tools.precompute` command again"):
         FeatureStore(bad)  # found when the cache is opened, not when a batch first reads the shard
     os.remove(os.path.join(bad, "manifest.json"))
-    r = subprocess.run([sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
+    r = subprocess.run([PYTHON, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
                         f"--config.data.features={bad}", "--run-dir", str(tmp_path / "run")], env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "did not finish" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_precompute_cli_mistakes_are_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "data_tools.precompute", "--latents", "--out", str(tmp_path / "f")]
+    cmd = [PYTHON, "-m", "data_tools.precompute", "--latents", "--out", str(tmp_path / "f")]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs --config" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run(cmd + ["--config", os.path.join(REPO, "configs", "demo.py"), "--config.data.nope=1"], env=ENV,

@@ -12,7 +12,6 @@ row only, not on the process count or the batch it was encoded in.
 import json
 import os
 import subprocess
-import sys
 import time
 
 import jax
@@ -24,6 +23,7 @@ from jaxsora.models.vae import IdentityVAE
 from tests.data.test_features import table  # noqa: F401  (module fixture: 10 clips and 6 images, 2 buckets)
 from tests.ports import free_port
 from tests.train.common import REPO
+from tests.zygote import PYTHON, kill
 
 SHARD_SIZE = 4  # 10 clips + 6 images → 3 + 2 = 5 shards: process 0 encodes shards 0, 2, 4 and process 1 shards 1, 3
 NUM_SHARDS = 5
@@ -69,7 +69,7 @@ def two_processes(args, log_dir, stop_after=None) -> list[subprocess.CompletedPr
     in `log_dir`/process{i}.log). A process still running after TIMEOUT fails the test with both outputs."""
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
            "JAX_NUM_PROCESSES": "2", "JAXSORA_INIT_TIMEOUT": "60"}  # a process that never comes fails in a minute
-    cmd = [sys.executable, RUNNER, *(["--stop-after", str(stop_after)] if stop_after else []), *args]
+    cmd = [PYTHON, RUNNER, *(["--stop-after", str(stop_after)] if stop_after else []), *args]
     logs = [open(os.path.join(log_dir, f"process{i}.log"), "w+") for i in range(2)]
     procs = [subprocess.Popen(cmd, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=log, stderr=subprocess.STDOUT,
                               text=True) for i, log in enumerate(logs)]
@@ -81,7 +81,7 @@ def two_processes(args, log_dir, stop_after=None) -> list[subprocess.CompletedPr
         pass
     hung = [i for i, p in enumerate(procs) if p.poll() is None]
     for i in hung:
-        procs[i].kill()
+        kill(procs[i])
         procs[i].wait()
     outs = []
     for log in logs:

@@ -8,7 +8,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ from jaxsora.data.plan import DataStateMismatch
 from jaxsora.data.tables import TableIndex, read_table
 from jaxsora.data.video import to_model_range
 from tests.ports import free_port
+from tests.zygote import PYTHON, command_pid, kill
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -196,7 +196,7 @@ def test_two_jax_distributed_hosts_assemble_the_one_host_batches(dataset, tmp_pa
     equal the batches one process reads alone."""
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "tests", "data", "run_host.py"), str(dataset / "meta.csv"),
+        [PYTHON, os.path.join(REPO, "tests", "data", "run_host.py"), str(dataset / "meta.csv"),
          str(tmp_path / f"host{i}.npz"), "--workers", str(i), "--batches", "3"],
         env={**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
              "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)},
@@ -436,15 +436,15 @@ def test_workers_exit_when_the_trainer_is_killed(dataset, tmp_path):
 
     script = tmp_path / "iterate.py"
     script.write_text(_ITERATE_FOREVER)
-    proc = subprocess.Popen([sys.executable, str(script), str(dataset / "meta.csv")], cwd=REPO,
+    proc = subprocess.Popen([PYTHON, str(script), str(dataset / "meta.csv")], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
     children = []
     try:
         assert proc.stdout.readline().strip() == "ready"
-        children = psutil.Process(proc.pid).children(recursive=True)
+        children = psutil.Process(command_pid(proc)).children(recursive=True)
         workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
         assert len(workers) >= 2  # the two grain workers (and the resource tracker)
-        os.kill(proc.pid, 9)
+        kill(proc)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
         while _alive(children) and time.monotonic() < deadline:
@@ -475,7 +475,7 @@ def test_temporary_table_indexes_are_removed_at_exit_and_after_a_kill(dataset, t
     tmp.mkdir()
 
     def start(mode):
-        p = subprocess.Popen([sys.executable, "-c", _BUILD_INDEX, str(dataset / "meta.csv"), mode], cwd=REPO,
+        p = subprocess.Popen([PYTHON, "-c", _BUILD_INDEX, str(dataset / "meta.csv"), mode], cwd=REPO,
                              env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp)},
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         return p, p.stdout.readline().strip()
@@ -484,7 +484,7 @@ def test_temporary_table_indexes_are_removed_at_exit_and_after_a_kill(dataset, t
     assert done.wait(timeout=60) == 0 and done_dir.startswith(str(tmp)) and not os.path.exists(done_dir)
     killed, killed_dir = start("wait")
     live, live_dir = start("wait")
-    os.kill(killed.pid, 9)
+    kill(killed)
     killed.wait(timeout=30)
     assert os.path.isdir(killed_dir) and os.path.isdir(live_dir)  # nobody ran the dead one's exit hooks
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))

@@ -4,7 +4,6 @@ and keeps the old spelling `--out-dir`."""
 import concurrent.futures as cf
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
@@ -13,6 +12,7 @@ from PIL import Image
 
 from data_tools import meta, shard
 from jaxsora.data.tables import read_table
+from tests.zygote import PYTHON
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
@@ -27,7 +27,7 @@ CLI_MODULES = (
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", *map(str, args)], env=ENV, cwd=cwd or REPO, capture_output=True,
+    return subprocess.run([PYTHON, "-m", *map(str, args)], env=ENV, cwd=cwd or REPO, capture_output=True,
                           text=True, timeout=120)
 
 

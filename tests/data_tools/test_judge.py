@@ -7,7 +7,6 @@ still shape, a reversed clip, an empty frame.
 import hashlib
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
@@ -16,6 +15,7 @@ import pytest
 from data_tools import judge, synthetic
 from jaxsora.errors import BadInput
 from tests.conftest import REPO
+from tests.zygote import PYTHON
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_cli_scores_a_folder_and_draws_it(tmp_path):
     _sample_folder(tmp_path / "s", [(right, synthetic.caption("red", "circle", "right")),
                                     (right, synthetic.caption("red", "circle", "left")),
                                     (right, synthetic.caption("blue", "circle", "right"))])
-    r = subprocess.run([sys.executable, "-m", "data_tools.judge", str(tmp_path / "s"), "--png",
+    r = subprocess.run([PYTHON, "-m", "data_tools.judge", str(tmp_path / "s"), "--png",
                         str(tmp_path / "grid.png")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "samples follow their prompts: colour 2/3, motion 2/3"
@@ -119,7 +119,7 @@ def test_cli_scores_a_folder_and_draws_it(tmp_path):
 
 def test_cli_user_mistakes_are_one_line(tmp_path):
     for args in ([str(tmp_path / "missing")], [str(tmp_path)]):
-        r = subprocess.run([sys.executable, "-m", "data_tools.judge", *args], cwd=REPO, capture_output=True, text=True)
+        r = subprocess.run([PYTHON, "-m", "data_tools.judge", *args], cwd=REPO, capture_output=True, text=True)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
 
 

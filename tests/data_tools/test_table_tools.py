@@ -5,7 +5,6 @@ import collections
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
@@ -16,6 +15,7 @@ from data_tools import filter as filter_tool
 from jaxsora.data.buckets import Buckets
 from jaxsora.data.plan import epoch_plan
 from jaxsora.data.tables import read_table
+from tests.zygote import PYTHON
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["--no-progress"]
@@ -221,7 +221,7 @@ def test_refuses_to_overwrite(tmp_path, capsys):
 
 def cli_error(tmp_path, *args) -> str:
     """Run `python -m data_tools.<args>` as the user would: exit code 2, one line, no traceback."""
-    r = subprocess.run([sys.executable, "-m", *args, "--output", str(tmp_path / "o.csv")], capture_output=True,
+    r = subprocess.run([PYTHON, "-m", *args, "--output", str(tmp_path / "o.csv")], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()

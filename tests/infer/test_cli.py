@@ -6,19 +6,19 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from tests.conftest import REPO
+from tests.zygote import PYTHON
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
 
 def sample(*args, timeout=300, env=None, python=()):
-    return subprocess.run([sys.executable, *python, "-m", "jaxsora.sample", *map(str, args)], env=env or ENV,
+    return subprocess.run([PYTHON, *python, "-m", "jaxsora.sample", *map(str, args)], env=env or ENV,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 

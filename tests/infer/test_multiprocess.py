@@ -10,13 +10,13 @@ equal mp4 bytes is `tests/data/test_video.py::test_the_same_frames_give_the_same
 Every run is started at once (the module fixture); each test waits for its own."""
 import os
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import REPO
 from tests.ports import free_port
 from tests.xla_flags import cpu_flags
+from tests.zygote import PYTHON
 
 PROMPTS = ["wave 0.50", "wave 1.50", "wave 2.50"]  # 3 prompts in batches of 2: the second batch is padded
 RUNNER = os.path.join(os.path.dirname(__file__), "run_sample.py")  # python -m jaxsora.sample, + the frames
@@ -31,7 +31,7 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _start(args, env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, RUNNER, *map(str, args)], env=env, cwd=REPO,
+    return subprocess.Popen([PYTHON, RUNNER, *map(str, args)], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

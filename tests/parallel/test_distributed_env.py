@@ -4,7 +4,6 @@ errors for settings that do not fit, the single-process path, and a real two-pro
 with conflicting SLURM variables around it."""
 import os
 import subprocess
-import sys
 
 import jax
 import pytest
@@ -16,6 +15,7 @@ from jaxsora.parallel.distributed import DistributedError, first_slurm_host, pla
 from tests.conftest import REPO
 from tests.ports import free_port
 from tests.xla_flags import cpu_flags
+from tests.zygote import PYTHON
 
 MANAGED = ("SLURM_", "OMPI_", "PMI_", "KUBERNETES_", "JOB_COMPLETION_INDEX", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
            "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "JAXSORA_INIT_TIMEOUT", "TPU_")
@@ -207,7 +207,7 @@ def test_kubernetes_without_its_package_is_a_quiet_single_process(env, recwarn):
 def test_the_train_command_reports_bad_settings_in_one_line(env, tmp_path):
     # a table that passes the checks made before jax.distributed (the settings are what this test is about)
     (tmp_path / "t.csv").write_text("path,text,num_frames,height,width\na.mp4,x,8,32,32\n")
-    cmd = [sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
+    cmd = [PYTHON, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
            "--data-path", "t.csv", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"]
     r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                        timeout=300, cwd=str(tmp_path))
@@ -234,7 +234,7 @@ def test_two_processes_start_from_jax_variables_despite_slurm(env, tmp_path):
     base = {**os.environ, **_slurm(ntasks=4, nodes=4, nodelist="nowhere[1-4]"), "PYTHONPATH": str(REPO),
             "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(2),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAXSORA_INIT_TIMEOUT": "120"}
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES], env={**base, "JAX_PROCESS_ID": str(i)},
+    procs = [subprocess.Popen([PYTHON, "-c", TWO_PROCESSES], env={**base, "JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
              for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]

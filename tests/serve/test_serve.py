@@ -12,6 +12,7 @@ from jaxsora.serve import ServeOptions, complete_steps, resolve_run, serve
 from jaxsora.train.run.loop import RunOptions, train
 from tests.train.common import small_config
 from tests.train.fake_loader import FakeLoader
+from tests.zygote import PYTHON
 
 wandb = pytest.importorskip("wandb")
 
@@ -122,7 +123,6 @@ def test_a_step_folder_holding_another_step_is_refused(run, tmp_path):
 
 def test_cli_errors_are_one_line(run, tmp_path):
     import subprocess
-    import sys
 
     from tests.train.common import REPO
 
@@ -132,7 +132,7 @@ def test_cli_errors_are_one_line(run, tmp_path):
                          (["--preset", "low4s", "--runs", "999", "--outputs", str(out)], "999"),
                          (["--preset", "tiny", "--runs", "656", "--outputs", str(out), "--presets-file",
                            str(tmp_path / "none.json")], "none.json")):
-        r = subprocess.run([sys.executable, "-m", "jaxsora.serve", *args], env=env, capture_output=True, text=True,
+        r = subprocess.run([PYTHON, "-m", "jaxsora.serve", *args], env=env, capture_output=True, text=True,
                            timeout=300)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr

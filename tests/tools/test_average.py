@@ -8,7 +8,6 @@ single `state/` layout and a synthetic tree with bf16 and integer arrays."""
 import os
 import shutil
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from jaxsora.tools import lazy_save
 from tests.conftest import REPO
 from tests.train.test_checkpoint import _flip_bytes, _no_traceback
 from tests.train.test_checkpoint_items import _largest_file, _poison, _save_old_layout, _unpoison
+from tests.zygote import PYTHON
 
 STEPS = (400, 500, 600)
 
@@ -398,10 +398,10 @@ def test_changed_array_is_refused_midway(run, tmp_path, capsys):
 
 def test_module_entry_point(run, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "jaxsora.tools.average", run, "--steps", "400,500", "--weights", "1",
+    r = subprocess.run([PYTHON, "-m", "jaxsora.tools.average", run, "--steps", "400,500", "--weights", "1",
                         "--out", str(tmp_path / "a")], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and r.stderr.strip() == (
         "jaxsora.tools.average: --weights has 1 value (1) for 2 checkpoints"), r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "-m", "jaxsora.tools.average", "--help"], env=env, capture_output=True,
+    r = subprocess.run([PYTHON, "-m", "jaxsora.tools.average", "--help"], env=env, capture_output=True,
                        text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0 and "--weights" in r.stdout and "--ema" in r.stdout

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -22,6 +21,7 @@ from jaxsora.tools import lora as tool
 from jaxsora.train.run.loop import RunOptions, train
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
+from tests.zygote import PYTHON
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("attention", "mlp.fc2", "t_block.1")
@@ -73,7 +73,7 @@ def _read(step_dir, item):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxsora.tools.lora", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([PYTHON, "-m", "jaxsora.tools.lora", *args], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 

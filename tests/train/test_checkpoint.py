@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from jaxsora.checkpoint import (
 )
 from jaxsora.checkpoint import fingerprint as fp
 from tests.train.common import REPO
+from tests.zygote import PYTHON
 
 
 def _mesh(n):
@@ -441,7 +441,7 @@ def test_cli_verify_and_list(three_steps, capsys):
 def test_cli_module_exit_codes(three_steps):
     run, _ = three_steps
     env = {**os.environ, "PYTHONPATH": REPO}
-    cmd = [sys.executable, "-m", "jaxsora.ckpt"]
+    cmd = [PYTHON, "-m", "jaxsora.ckpt"]
     r = subprocess.run(cmd + ["verify", str(run)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "3 intact" in r.stdout, r.stderr[-2000:]
     _flip_bytes(_largest_array_file(run / "checkpoints" / "2"))
@@ -489,7 +489,7 @@ def _two_processes(args):
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
            "JAX_NUM_PROCESSES": "2"}
     script = os.path.join(os.path.dirname(__file__), "run_ckpt_procs.py")
-    procs = [subprocess.Popen([sys.executable, script, *args], env={**env, "JAX_PROCESS_ID": str(i)},
+    procs = [subprocess.Popen([PYTHON, script, *args], env={**env, "JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-3000:] for _, e in outs]

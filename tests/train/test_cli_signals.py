@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from jaxsora.runs import describe, format_table
 from jaxsora.train.run.supervise import STACK_DUMP_SIGNAL
 from tests.train.common import REPO
 from tests.xla_flags import cpu_flags
+from tests.zygote import PYTHON, command_pid
 
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
        "XLA_FLAGS": cpu_flags(1)}  # one device: the signals, not the mesh, are tested
@@ -29,7 +29,7 @@ def table(tmp_path_factory):
 
 
 def _cmd(table, run, steps):
-    return [sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
+    return [PYTHON, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
             "--data-path", table, "--run-dir", str(run), f"--config.train.max_steps={steps}",
             "--config.train.log_every=1", "--config.train.ckpt_every=1000",
             "--config.data.batch_size_override=1", "--config.model.depth=1"]  # the signals, not the model
@@ -47,7 +47,7 @@ def test_stack_dump_heartbeat_and_sigterm_exit_code(table, tmp_path):
     else:
         pytest.fail("".join(seen)[-3000:])
     beat = json.loads((run / "heartbeat" / "0.json").read_text())
-    assert beat["pid"] == proc.pid and beat["step"] >= 1
+    assert beat["pid"] == command_pid(proc) and beat["step"] >= 1
     proc.send_signal(STACK_DUMP_SIGNAL)  # a dump, not a stop
     stacks = run / "stacks" / "0.txt"
     # faulthandler writes the dump thread by thread: wait for the loop's frame itself, not the

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -17,6 +16,7 @@ from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 from tests.ports import free_port
 from tests.train.common import CUT_LENGTHS, REPO, small_config
 from tests.train.fake_loader import DataStateMismatch, FakeLoader
+from tests.zygote import PYTHON, kill
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_fake.py")
 
@@ -89,14 +89,14 @@ def test_resume_after_sigkill_is_bit_exact(reference_run, tmp_path):
     out_ref, _ = reference_run
     env = {**os.environ, "PYTHONPATH": REPO}
     # The same XLA setup as this process (8 CPU devices, a 1-device mesh): bit-exact across processes.
-    proc = subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "1000", "--ckpt-every", "3", "--mesh", "1,1,1",
+    proc = subprocess.Popen([PYTHON, RUNNER, str(tmp_path), "1000", "--ckpt-every", "3", "--mesh", "1,1,1",
                              "--devices", "8", "--batch", str(GLOBAL_BATCH)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ck = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and not (ck / "6" / "params").is_dir() and proc.poll() is None:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    kill(proc)
     proc.wait()
     steps = sorted(int(d) for d in os.listdir(ck) if d.isdigit())
     assert 3 in steps, proc.stdout.read()[-3000:]
@@ -206,7 +206,7 @@ def test_two_processes_equal_one_process(reference_run, tmp_path):
     out_ref, _ = reference_run
     env = {**os.environ, "PYTHONPATH": REPO}
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path / "multi"), "2", "--devices", "1",
+    procs = [subprocess.Popen([PYTHON, RUNNER, str(tmp_path / "multi"), "2", "--devices", "1",
                                "--batch", str(GLOBAL_BATCH)],
                               env={**env, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                                    "JAX_PROCESS_ID": str(i)},
@@ -223,7 +223,7 @@ def test_two_processes_equal_one_process(reference_run, tmp_path):
 
 def test_sigterm_saves_and_exits(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "100000", "--ckpt-every", "1000", "--mesh", "1,1,1",
+    proc = subprocess.Popen([PYTHON, RUNNER, str(tmp_path), "100000", "--ckpt-every", "1000", "--mesh", "1,1,1",
                              "--devices", "8", "--batch", str(GLOBAL_BATCH)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:

@@ -20,6 +20,7 @@ from jaxsora.train.run.loop import RunOptions, train
 from tests.ports import free_port
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
+from tests.zygote import PYTHON
 
 ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
 
@@ -106,7 +107,7 @@ def test_load_of_a_missing_or_ambiguous_number_is_one_line(tmp_path):
     assert "\n" not in msg and "no run numbered 9" in msg and "003-a, 003-b, 004-c" in msg
     assert sorted(os.listdir(out)) == ["003-a", "003-b", "004-c"]  # nothing was written
     # the command line: one line, exit code 2 (and --run-dir is a flag)
-    cmd = [sys.executable, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
+    cmd = [PYTHON, "-m", "jaxsora.train", "--config", os.path.join(REPO, "configs", "demo.py"),
            "--outputs", str(out), "--load", "9", "--run-dir", str(tmp_path / "x")]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr[-3000:]
@@ -188,7 +189,7 @@ def test_a_number_claimed_meanwhile_is_skipped(tmp_path, monkeypatch):
 def test_processes_allocating_at_once_get_different_numbers(tmp_path):
     code = ("import sys\nfrom jaxsora.runs import new_run_dir\n"
             "for _ in range(5):\n    print(new_run_dir(sys.argv[1], sys.argv[2]), flush=True)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"p{i}"], env=ENV, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([PYTHON, "-c", code, str(tmp_path), f"p{i}"], env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(4)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
@@ -207,7 +208,7 @@ def test_process_0_numbers_the_run_of_every_process(tmp_path):
             "with open(sys.argv[2], 'w') as f:\n    f.write(str(folder))\n")
     port = free_port()
     answers = [tmp_path / f"answer{i}" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(out), str(answers[i])],
+    procs = [subprocess.Popen([PYTHON, "-c", code, str(out), str(answers[i])],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                                    "JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

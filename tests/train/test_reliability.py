@@ -19,6 +19,7 @@ from jaxsora.train.run.supervise import RunLock, RunLockedError, Watchdog
 from tests.ports import free_port
 from tests.train.common import REPO, small_config
 from tests.train.fake_loader import FakeLoader
+from tests.zygote import PYTHON, command_pid, kill
 
 RUNNER = os.path.join(os.path.dirname(__file__), "run_fake.py")
 DEMO = os.path.join(REPO, "configs", "demo.py")
@@ -39,7 +40,7 @@ def _tree_digest(root) -> dict:
 def workspace(tmp_path_factory):
     """A synthetic table, broken inputs, and a run folder with a checkpoint that must survive."""
     ws = tmp_path_factory.mktemp("bad")
-    subprocess.run([sys.executable, "-m", "data_tools.synthetic", "--out", str(ws / "data"), "--preset", "demo",
+    subprocess.run([PYTHON, "-m", "data_tools.synthetic", "--out", str(ws / "data"), "--preset", "demo",
                     "--num-videos", "4", "--num-images", "2"], env=ENV, check=True, capture_output=True, cwd=REPO)
     (ws / "empty.csv").write_text("path,text,num_frames,height,width\n")
     (ws / "nocols.csv").write_text("path,caption\nx.mp4,hi\n")
@@ -88,7 +89,7 @@ def _cases(ws):
 
 
 def _invoke(args, cwd):
-    return subprocess.run([sys.executable, "-m", "jaxsora.train"] + args, env=ENV, capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "jaxsora.train"] + args, env=ENV, capture_output=True, text=True,
                           timeout=600, cwd=cwd)
 
 
@@ -120,7 +121,7 @@ def test_debug_flag_shows_the_traceback(workspace):
 
 
 def _fake_run(tmp, max_steps, extra=(), **kw):
-    return subprocess.Popen([sys.executable, RUNNER, str(tmp), str(max_steps), "--mesh", "1,1,1", "--batch", "2",
+    return subprocess.Popen([PYTHON, RUNNER, str(tmp), str(max_steps), "--mesh", "1,1,1", "--batch", "2",
                              *extra], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -144,13 +145,14 @@ def test_two_runs_in_one_folder(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         info = json.load(open(tmp_path / "run" / "run.lock"))
-        assert info["pid"] == first.pid and info["host"] == socket.gethostname()
+        first_pid = command_pid(first)
+        assert info["pid"] == first_pid and info["host"] == socket.gethostname()
         cfg = small_config(tmp_path, max_steps=3, mesh=(1, 1, 1))
-        with pytest.raises(RunLockedError, match=f"pid {first.pid}"):
+        with pytest.raises(RunLockedError, match=f"pid {first_pid}"):
             train(cfg, RunOptions(run_dir=str(tmp_path / "run")),
                   loader_factory=lambda c, dp, t: FakeLoader(data_parallel_size=dp, text_inputs=t))
     finally:
-        first.kill()
+        kill(first)
         first.wait()
     steps = [json.loads(ln)["step"] for ln in open(tmp_path / "run" / "metrics.jsonl")]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # one run's lines only
@@ -162,7 +164,7 @@ def test_two_runs_in_one_folder(tmp_path):
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = subprocess.Popen([PYTHON, "-c", "pass"])
     dead.wait()
     (tmp_path / "run.lock").write_text(json.dumps(dict(host=socket.gethostname(), pid=dead.pid, start=0)))
     with RunLock(str(tmp_path)) as lock:
@@ -222,7 +224,7 @@ def test_blown_up_update_is_rejected(tmp_path):
 @pytest.mark.slow
 def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
+    procs = [subprocess.Popen([PYTHON, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
                                "--ckpt-every", "1000"],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                                    "JAX_PROCESS_ID": str(i)},
@@ -253,14 +255,14 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path, victim=1):
 
     port = free_port()
     env = {**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAXSORA_PEER_TIMEOUT": "8"}
-    procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
+    procs = [subprocess.Popen([PYTHON, RUNNER, str(tmp_path), "100000", "--devices", "1", "--batch", "2",
                                "--ckpt-every", "4"], env={**env, "JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     survivor = procs[1 - victim]
     try:
         lines = []
         assert _wait_for(procs[0], "step      9", lines), "".join(lines)[-3000:]
-        procs[victim].kill()
+        kill(procs[victim])
         procs[victim].wait(timeout=60)
         _, err = survivor.communicate(timeout=120)  # jax's own heartbeat timeout would take 100 s, then abort
     finally:
@@ -312,7 +314,7 @@ def test_nonfinite_stop_is_the_same_on_every_process(tmp_path):
     """Only process 1's rows go bad; the loss is a global mean, its metrics replicated: both processes
     reject the same steps and stop at the same step, naming the same checkpoint."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, RUNNER, str(tmp_path), "50", "--devices", "1", "--batch", "2",
+    procs = [subprocess.Popen([PYTHON, RUNNER, str(tmp_path), "50", "--devices", "1", "--batch", "2",
                                "--ckpt-every", "2", "--nan-from", "3", "--nan-process", "1"],
                               env={**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                                    "JAX_PROCESS_ID": str(i)},
@@ -341,7 +343,7 @@ def test_other_commands_report_user_errors_in_one_line(workspace):
     ]
 
     def invoke(args):
-        return subprocess.run([sys.executable, "-m", *args], env=ENV, capture_output=True, text=True, timeout=300,
+        return subprocess.run([PYTHON, "-m", *args], env=ENV, capture_output=True, text=True, timeout=300,
                               cwd=REPO)
 
     with cf.ThreadPoolExecutor(3) as ex:
