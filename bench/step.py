@@ -8,6 +8,8 @@ devices); with `--reference`, the real Open-Sora PyTorch step at the same shape,
     python bench/step.py --shapes realistic --reference /tmp/refenv/bin/python --profile   # where the time goes
     python bench/step.py --shapes realistic --profile --profile-top 30   # ... and its costliest non-matmul thunks
     python bench/step.py --model STDiT3-XL/2 --latent 15x30x53 --batch 4 --dtype bfloat16 --remat full
+    python bench/step.py --model STDiT3-XL/2 --set depth=3,hidden_size=576,num_heads=9 --latent 5x24x42 \
+        --reference /tmp/refenv/bin/python                      # a shape of your own, against the reference
 
 Listed shapes (latent T×H×W; 240p × 51 frames = 15×30×53 latents):
   tiny       the `tiny` preset (the parity-test model): depth 2, hidden 64, caption 8×32, 4×16×16, batch 2
@@ -41,6 +43,7 @@ TFLOP/s in bf16 (495 in fp32 via TF32); elsewhere pass --peak-tflops.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import json
@@ -456,6 +459,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="tiny,realistic", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--model", help="a custom shape instead: preset name")
     ap.add_argument("--latent", default="4x16x16", help="custom shape: latent T×H×W")
+    ap.add_argument("--set", default="", metavar="K=V,...", help="custom shape: model config overrides, e.g. "
+                    "depth=2,hidden_size=576,num_heads=9 (a shape none of the listed ones names)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--remat", default="none")
@@ -512,8 +517,9 @@ def _main(args):
             print(f"{k:<44} {v:9.1f} ms")
         return cats
     if args.model:
+        overrides = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.set.split(",") if kv)}
         shapes = [Shape("custom", args.model, tuple(int(v) for v in args.latent.split("x")), args.batch, args.dtype,
-                        args.remat, args.scan)]
+                        args.remat, args.scan, overrides)]
     else:
         shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     results = []
