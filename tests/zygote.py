@@ -270,10 +270,12 @@ if os.environ.get("JAXSORA_TEST_ZYGOTE") == "0":
 for _ in range(1200):  # a zygote still importing is waited for (a minute at most): cheaper than importing here
     if os.path.exists(SOCK + ".ready"):
         break
-    try:
-        with open(SOCK + ".starting") as f:
-            os.kill(int(f.read()), 0)
-    except (OSError, ValueError):
+    try:  # the zygote still running (not a zombie: one that failed is reaped only when pytest ends)
+        with open(SOCK + ".starting") as f, open("/proc/%d/stat" % int(f.read())) as stat:
+            alive = stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        alive = False
+    if not alive:
         fallback("no zygote")
     time.sleep(0.05)
 else:
@@ -384,6 +386,9 @@ class Zygote:
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="jaxsora-zygote-")
+        if len(self.dir) > 90:  # a socket's path holds at most 107 bytes
+            os.rmdir(self.dir)
+            self.dir = tempfile.mkdtemp(prefix="jaxsora-zygote-", dir="/tmp")
         self.sock = os.path.join(self.dir, "sock")
         self.python = os.path.join(self.dir, "python")
         self.proc = None
