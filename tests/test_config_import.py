@@ -97,10 +97,15 @@ def test_every_model_module_that_imports_flax_applies_the_settings():
     (["jaxsora.ckpt", "verify", "{tmp}/nowhere"], "checkpoint folder not found"),
     (["jaxsora.convert", "to-torch", "{tmp}/nowhere", "{tmp}/out.safetensors"], "checkpoint folder not found"),
     (["jaxsora.convert", "from-torch", "{tmp}/none.pth", "{tmp}/ck"], "weights file not found"),
+    (["jaxsora.convert", "from-torch", "{tmp}/w.pth", "{tmp}/ck", "--model", "XL/2"], "unknown model preset 'XL/2'"),
+    (["jaxsora.convert", "from-torch", "{tmp}/w.pth", "{tmp}/ck", "--model", "demo", "--set", "hidden_size=100"],
+     "head_dim must be even"),  # a value the model cannot take: one line too, not a traceback
 ])
 def test_the_other_commands_answer_a_wrong_path_before_jax(args, said, tmp_path):
-    """The sampler, `ckpt` and `convert` with a checkpoint or weights path that is not there: one line, exit code 2,
-    none of jax/flax/optax/orbax/torch imported (their packages load names on first use: `lazy_names`)."""
+    """The sampler, `ckpt` and `convert` with a checkpoint or weights path that is not there (or `convert` with a
+    model preset or field value that cannot be): one line, exit code 2, none of jax/flax/optax/orbax/torch
+    imported (their packages load names on first use: `lazy_names`; the presets are plain Python)."""
+    (tmp_path / "w.pth").write_bytes(b"")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", *args], capture_output=True, text=True, cwd=REPO,
                        timeout=120)

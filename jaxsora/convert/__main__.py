@@ -47,10 +47,12 @@ def main(argv=None) -> int:
         from jaxsora.checkpoint.layout import resolve_step_dir
 
         resolve_step_dir(args.ckpt, args.step)
-    else:
+    else:  # ... and so are the preset and its overrides (jaxsora.models.presets needs no jax)
         from jaxsora.io.weights import weights_file
+        from jaxsora.models.presets import get_model_config
 
         weights_file(args.input)
+        cfg = get_model_config(args.model, **_parse_overrides(args.set))
 
     from jaxsora.convert import native
     from jaxsora.convert import torch as tconv
@@ -65,9 +67,6 @@ def main(argv=None) -> int:
         print(f"wrote {len(sd)} tensors ({n:,} numbers, {args.dtype}, {'EMA' if args.ema else 'params'}) → {args.out}")
         return 0
 
-    from jaxsora.models.presets import get_model_config
-
-    cfg = get_model_config(args.model, **_parse_overrides(args.set))
     sd = tconv.read_state_dict(args.input)
     model, report = tconv.from_torch_state_dict(sd, cfg, seed=args.seed, return_report=True)
     print(report.summary())

@@ -29,7 +29,8 @@ from flax import nnx
 from jaxsora.checkpoint.layout import read_config, resolve_step_dir
 from jaxsora.errors import WeightsError
 from jaxsora.io.fill import fill_module
-from jaxsora.models.stdit3 import STDiT3, STDiT3Config
+from jaxsora.models.config import STDiT3Config
+from jaxsora.models.stdit3 import STDiT3
 
 
 def save_weights(path: str, model: STDiT3, *, ema: dict | None = None, step: int = 0,

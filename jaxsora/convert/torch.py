@@ -27,8 +27,9 @@ from flax import nnx
 from jaxsora.errors import WeightsError
 from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import TORCH_EXTS, read_state_dict, unwrap  # noqa: F401  (read_state_dict: re-exported)
+from jaxsora.models.config import STDiT3Config
 from jaxsora.models.layers import rope_frequencies
-from jaxsora.models.stdit3 import STDiT3, STDiT3Config
+from jaxsora.models.stdit3 import STDiT3
 
 
 # --------------------------------------------------------------------------------------------

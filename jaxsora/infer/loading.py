@@ -24,7 +24,7 @@ from jaxsora.infer.locate import PipelineError, text_encoder_spec, vae_spec
 def model_config(stored_model: Mapping, dtype: str | None = None):
     """The STDiT3Config of a checkpoint's `model` entry, for sampling: no remat; `dtype` the compute
     dtype (default the checkpoint's; "bfloat16"/"float32"; "bf16"/"fp32" accepted)."""
-    from jaxsora.models.stdit3 import STDiT3Config
+    from jaxsora.models.config import STDiT3Config
 
     fields = STDiT3Config.__dataclass_fields__
     mcfg = STDiT3Config(**{k: v for k, v in stored_model.items() if k in fields})

@@ -11,9 +11,9 @@ from typing import Any
 from flax import nnx
 
 from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
+from jaxsora.models.config import STDiT3Config
 from jaxsora.models.contracts import VAE, TextEncoder
 from jaxsora.models.presets import get_model_config
-from jaxsora.models.stdit3 import STDiT3Config
 
 
 def _plain(cfg) -> dict:

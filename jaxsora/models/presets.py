@@ -6,8 +6,8 @@ the reference harness's TINY_CONFIG (the parity fixtures use it); "demo" is size
 """
 from __future__ import annotations
 
-from jaxsora.errors import UnknownKey
-from jaxsora.models.stdit3 import STDiT3Config
+from jaxsora.errors import ConfigError, UnknownKey
+from jaxsora.models.config import STDiT3Config
 
 _PRESETS: dict[str, dict] = {
     # Open-Sora 1.2 `STDiT3_XL_2`: depth 28, hidden 1152, 16 heads, patch (1, 2, 2); the 1.2 configs
@@ -39,4 +39,7 @@ def get_model_config(name: str, **overrides) -> STDiT3Config:
     kw = dict(qk_norm=True)  # every Open-Sora 1.2 config sets qk_norm=True
     kw.update(_PRESETS[name])
     kw.update(overrides)
-    return STDiT3Config(**kw)
+    try:
+        return STDiT3Config(**kw)
+    except (TypeError, ValueError) as e:  # a field's value the model cannot take (e.g. heads not dividing hidden)
+        raise ConfigError(f"model preset {name!r}: {e}") from None

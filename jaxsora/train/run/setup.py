@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from jaxsora.models import lora as lora_lib
-from jaxsora.models.stdit3 import STDiT3Config
+from jaxsora.models.config import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.contracts import Loader

@@ -32,7 +32,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsora.models import lora as lora_lib
-from jaxsora.models.stdit3 import STDiT3, STDiT3Config
+from jaxsora.models.config import STDiT3Config
+from jaxsora.models.stdit3 import STDiT3
 from jaxsora.parallel.sharding import abstract_with_shardings, constrain_tree, tree_shardings
 
 
