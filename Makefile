@@ -21,8 +21,10 @@ install: $(STAMP)
 
 # The suite on TEST_WORKERS processes (pytest-xdist), whole files per worker so that module fixtures (compiled
 # steps, trained runs) are built once; files with `slow` tests are handed out first (tests/conftest.py).
+# Three workers on the 2-core machine: part of the suite waits rather than computes (a lost peer's 8 s timeout,
+# the watchdog, processes starting), and a third worker fills those waits — 505 → 452–536 s, at most 11.5 GiB in use.
 # Each worker holds a few GiB (8 fake devices, compiled steps): raise it on machines with the memory.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: install lint
 	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 

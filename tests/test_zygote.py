@@ -46,15 +46,23 @@ def test_a_forked_command_sees_what_python_gives_it(python, tmp_path):
     assert r.stderr.rstrip().endswith("ZeroDivisionError: division by zero"), r.stderr
 
 
+# Waits in short sleeps: a Python handler runs between bytecodes, and a signal that lands after the last check
+# but before a sleep's system call began would wait out a long sleep (seen under load, with python itself too).
+WAIT = "\nfor _ in range(1200):\n    time.sleep(0.05)\n"
+
+
 def test_signals_reach_the_command_and_its_status_comes_back(python):
     handler = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
-               "print('up', flush=True)\ntime.sleep(60)\n")
+               "print('up', flush=True)" + WAIT)
     proc = subprocess.Popen([python, "-c", handler], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "up\n" and _forked(proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 75
     proc.stdout.close()
-    proc = subprocess.Popen([python, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+    # python's own SIGINT handler, set here: a shell's background job (`make test &`) starts with SIGINT ignored,
+    # and python — the real one as the zygote's fork — keeps it ignored
+    handler = "import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nprint('up', flush=True)"
+    proc = subprocess.Popen([python, "-c", handler + WAIT],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout.readline() == "up\n"
     proc.send_signal(signal.SIGINT)  # KeyboardInterrupt, then the interpreter ends itself with SIGINT
