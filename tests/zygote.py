@@ -325,12 +325,7 @@ with open(os.path.join(os.path.dirname(SOCK), "pids", str(os.getpid())), "w") as
     f.write(str(pid))
 for sig in pending:
     forward(sig, None)
-while True:
-    try:
-        reply = conn.recv(4096)
-        break
-    except InterruptedError:
-        continue
+reply = conn.recv(4096)  # a signal forwarded meanwhile: python retries the call itself (PEP 475)
 if not reply:
     sys.stderr.write("tests/zygote.py: the zygote lost the command\n")
     os._exit(70)

@@ -30,8 +30,6 @@ DEFAULT_FPS = 24.0
 VAE_SPATIAL_FACTOR = 8
 
 
-
-
 class CaptionEmbedder(nnx.Module):
     """y_proj (timm Mlp, GELU-tanh) over T5 states, with the learned null caption `y_embedding`.
 
@@ -148,7 +146,6 @@ class T2IFinalLayer(nnx.Module):
             h0 = L.modulate(L.layer_norm(base), shift0, scale0)
             h = jnp.where(x_mask[:, :, None, None], h, h0)
         return self.linear(h)
-
 
 
 def remat_policy(name: str):
