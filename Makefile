@@ -36,6 +36,8 @@ lint: install
 # The CPU demo: synthetic videos → train a small STDiT3 → checkpoint → sample an mp4 → export to PyTorch.
 DEMO ?= outputs/demo
 DEMO_SEEDS ?= 4
+# glibc gives XLA:CPU's per-step scratch buffers transparent huge pages instead of ~4 KB page faults (BUILD.md)
+demo: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 demo: install
 	@# a fresh demo each time: the trainer refuses to start a new run in a folder that holds one
 	rm -rf $(DEMO)

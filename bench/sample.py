@@ -12,7 +12,9 @@ Listed shapes (latent T×H×W; the text is the real caption size, 300 tokens × 
   realistic   depth 4, hidden 384, 6 heads, 144p × 17 frames (5×18×32 latents → 720 tokens), batch 2
   wide        depth 4, hidden 768, 12 heads, 240p × 17 frames (5×30×40 latents → 1500 tokens), batch 1
 
-The VAE and T5 are not timed (both sides take latents and text states). fp32 on both sides.
+The VAE and T5 are not timed (both sides take latents and text states). fp32 on both sides. On CPU, run it
+with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 as CPU jobs should run (README, "Benchmarks"); the variable reaches
+the reference's process too.
 """
 from __future__ import annotations
 

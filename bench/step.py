@@ -30,6 +30,9 @@ otherwise the training step: rectified-flow loss with caption dropout, gradients
 and EMA, the state donated. The reference row is the real Open-Sora step as scripts/train.py runs
 it: training_losses, backward, gradient clipping, AdamW and the EMA update.
 
+On CPU, run it as CPU jobs should run (README, "Benchmarks"): `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python
+bench/step.py ...` — the variable reaches the reference's process too, so both sides run with it.
+
 FLOPs, two ways (both printed): "model" is the formula below × 3 (forward + backward; the PaLM
 convention, rematerialization not counted); "XLA" is the compiled step's cost analysis (everything
 the executable does, recomputation and optimizer included). MFU uses the model count. The formula
@@ -49,6 +52,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -199,12 +203,20 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
             state, m = step(state, batch, {})
         jax.block_until_ready(m)
         times = []
+        before = resource.getrusage(resource.RUSAGE_SELF)
         for _ in range(args.steps):
             t0 = time.perf_counter()
             state, m = step(state, batch, {})
             jax.block_until_ready(m["loss"])
             times.append(time.perf_counter() - t0)
             progress(f"{s.name}: step {len(times)}/{args.steps} {times[-1]:.4f} s")
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # what the kernel spends beside the step's own work: XLA:CPU allocates each execution's scratch buffer anew
+        # (746 MB at `realistic`), above glibc's mmap threshold a fresh mapping whose every page faults in — 4 KB
+        # pages, or huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (README, "Benchmarks")
+        progress(f"{s.name}: per step {(after.ru_minflt - before.ru_minflt) / args.steps:.0f} page faults, "
+                 f"{(after.ru_stime - before.ru_stime) / args.steps:.3f} s kernel CPU, "
+                 f"{(after.ru_utime - before.ru_utime) / args.steps:.3f} s user CPU")
         dt = float(np.median(times))
         breakdown = None
         if args.profile:
@@ -482,6 +494,9 @@ def main(argv=None):
                     help="the Linear layers' backward: layers.dense_matmul's (custom, the default) or autodiff's "
                     "(A/B of the weight-gradient form on another backend)")
     args = ap.parse_args(argv)
+    # read by glibc at process start, in this process and the reference's alike (README: run CPU jobs with
+    # glibc.malloc.hugetlb=1)
+    progress(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     with dense_backward(args.dense_backward):
         return _main(args)
 
