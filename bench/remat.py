@@ -26,19 +26,18 @@ def compile_variant(model: str, latent, batch: int, dtype: str, remat: str, scan
 
     from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.parallel.sharding import abstract_of
-    from jaxsora.train.step.optim import lr_schedule, make_optimizer
+    from jaxsora.train.step.optim import AdamW
     from jaxsora.train.step.state import plan_state
     from jaxsora.train.step.train_step import TrainStep, make_train_step
 
     s = bench_step.Shape("x", model, tuple(latent), batch, dtype, remat, scan, overrides)
     cfg = bench_step.model_config(s)
     mesh = make_mesh(dict(data=-1, fsdp=1, sequence=1))
-    optim = dict(lr=1e-4, lr_schedule="constant")
-    tx = make_optimizer(optim)
-    plan = plan_state(cfg, tx, 0, mesh, logical_rules(mesh))
-    fn = make_train_step(plan.graphdef, tx, encode_video=lambda e, v, k: v, encode_text=lambda e, y, m: y,
+    optimizer = AdamW.from_config(dict(lr=1e-4, lr_schedule="constant"))
+    plan = plan_state(cfg, optimizer.tx(), 0, mesh, logical_rules(mesh))
+    fn = make_train_step(plan.graphdef, optimizer, encode_video=lambda e, v, k: v, encode_text=lambda e, y, m: y,
                          scheduler_cfg=dict(sample_method="logit-normal", use_timestep_transform=True),
-                         mask_ratios=None, ema_decay=0.99, lr_fn=lr_schedule(optim))
+                         mask_ratios=None, ema_decay=0.99)
     batch = bench_step.inputs(cfg, s, mesh)  # latents and text states: small beside the model
     batch_spec = abstract_of(batch)
     return TrainStep(fn, plan).compile(batch_spec, {}, keep=False)

@@ -2,17 +2,19 @@
 equals a hand-written one, clipping, EMA, frozen parameters."""
 import importlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from configs import base, stage2
 from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3
-from jaxsora.train.step.optim import ema_update, lr_schedule, make_optimizer
+from jaxsora.train.step.optim import AdamW, ema_update, lr_schedule, make_optimizer
 from jaxsora.train.step.state import split_model
 
 
@@ -91,3 +93,78 @@ def test_ema_and_frozen_parameters():
     frozen_paths = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(frozen)}
     assert not any("y_proj" in k for k in paths)  # freeze_y_embedder
     assert {"y_embedder.y_proj.fc1.kernel", "rope.freqs", "y_embedder.y_embedding"} <= frozen_paths
+
+
+def _reference_update(opt, grads, opt_state, params, ema, accept, max_norm_growth):
+    """What AdamW.update must equal: optax's chain, apply_updates and ema_update, then the selection."""
+    grad_norm = optax.tree.norm(grads)
+    updates, new_state = opt.tx().update(grads, opt_state, params)
+    new = optax.apply_updates(params, updates)
+    new_norm, old_norm = optax.tree.norm(new), optax.tree.norm(params)
+    growth = new_norm / old_norm if max_norm_growth > 0 else jnp.float32(1)
+    ok = accept & jnp.isfinite(grad_norm)
+    if max_norm_growth > 0:
+        ok = ok & jnp.isfinite(new_norm) & (growth <= max_norm_growth)
+
+    def keep(a, b):
+        return jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)
+    return (keep(new, params), keep(new_state, opt_state), keep(ema_update(ema, new, 0.9), ema),
+            jnp.where(ok, new_norm, old_norm), growth, ok)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(lr=1e-3, lr_schedule="linear_warmup", warmup_steps=3, weight_decay=0.01, grad_clip=1.0),
+    dict(lr=2e-3, lr_schedule="constant", weight_decay=0.0, grad_clip=0.0, betas=(0.8, 0.99), eps=1e-8),
+])
+@pytest.mark.parametrize("guard", [0.0, 2.0])
+def test_fused_update_equals_optax(cfg, guard):
+    """AdamW.update (the train step's) against the optax chain it is written from, step after step: clipped
+    or not, with decay and a warmup schedule or not, accepted steps, a non-finite loss and (with the growth
+    check) a step that would grow the parameters' norm past the limit — both rejected, the state kept."""
+    opt = AdamW.from_config(cfg)
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.standard_normal((37, 11)), jnp.float32), "b": {"c": jnp.zeros((5,))}}
+    state, ema = opt.tx().init(params), jax.tree.map(jnp.copy, params)
+    fused = jax.jit(lambda g, s, p, e, a: opt.update(g, optax.tree.norm(g), s, p, e, ema_decay=0.9, accept=a,
+                                                       max_norm_growth=guard))
+    reference = jax.jit(lambda g, s, p, e, a: _reference_update(opt, g, s, p, e, a, guard))
+    small = 0.5 if cfg["grad_clip"] else 0.05  # below and above the clip
+    verdicts = []
+    for k, (scale, accept) in enumerate([(small, True), (3.0, True), (small, False), (small, True), (1.0, True)]):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32) * scale, params)
+        if k == 4 and guard:  # a tiny parameter norm: one Adam step (±lr a coordinate) more than doubles it
+            params = jax.tree.map(lambda p: p * 1e-5, params)
+        got = fused(grads, state, params, ema, jnp.asarray(accept))
+        want = reference(grads, state, params, ema, jnp.asarray(accept))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-9)
+        params, state, ema = got[:3]
+        verdicts.append(bool(got[5]))
+    assert verdicts == [True, True, False, True, not guard]
+    assert int(state[-1].count if not cfg["grad_clip"] else state[1][-1].count) == 3 + (not guard)
+
+
+def test_fused_update_writes_each_array_once():
+    """The structure `AdamW.update` is written for (lesson: a path invisible in the numbers needs a look at the
+    program). In the compiled XLA:CPU update, with the state donated as the train step donates it, an array of a
+    parameter's shape is written 5 times with the growth check — the candidate, then the parameter, both moments
+    and the EMA — and 4 without; no copy of a moment (optax's chain and the selections: 8 — the clipped
+    gradients, both new moments and the candidate written besides)."""
+    opt = AdamW.from_config(dict(lr=1e-3, lr_schedule="constant", weight_decay=0.01, grad_clip=1.0))
+    rng = np.random.default_rng(0)
+
+    def tree():  # 384×384: large enough that XLA:CPU reduces the norms without writing the squares
+        return {"a": jnp.asarray(rng.standard_normal((384, 384)), jnp.float32), "b": jnp.ones((29, 13))}
+
+    params = tree()
+    state = opt.tx().init(params)
+
+    def written(guard):
+        fn = jax.jit(lambda p, s, e, g, ok: opt.update(g, optax.tree.norm(g), s, p, e, ema_decay=0.9, accept=ok,
+                                                       max_norm_growth=guard), donate_argnums=(0, 1, 2))
+        hlo = fn.lower(params, state, tree(), tree(), jnp.bool_(True)).compile().as_text()
+        entry = hlo[hlo.index("\nENTRY"):]
+        return re.findall(r"= f32\[384,384\]\{[0-9,]*\} (?!parameter|bitcast|get-tuple-element)(\S+)", entry)
+    with_check, without = written(2.0), written(0.0)
+    assert (len(with_check), len(without)) == (5, 4), (with_check, without)
+    assert not any(op.startswith("copy(") for op in with_check + without)

@@ -33,7 +33,7 @@ from jaxsora.models.config import STDiT3Config
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.contracts import Loader
-from jaxsora.train.step.optim import lr_schedule, make_optimizer
+from jaxsora.train.step.optim import AdamW
 from jaxsora.train.step.state import (
     StatePlan,
     TrainState,
@@ -149,12 +149,12 @@ def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
         _STEPS.move_to_end(key)
         plan, step = _STEPS[key]
     else:
-        tx = make_optimizer(sc.optim)
-        plan = plan_state(mcfg, tx, int(sc.train.seed), mesh, rules, lora=lora)
-        step_fn = make_train_step(plan.graphdef, tx, encode_video=encoders.encode_video,
+        optimizer = AdamW.from_config(sc.optim)
+        plan = plan_state(mcfg, optimizer.tx(), int(sc.train.seed), mesh, rules, lora=lora)
+        step_fn = make_train_step(plan.graphdef, optimizer, encode_video=encoders.encode_video,
                                   encode_text=encoders.encode_text, scheduler_cfg=plain(sc.scheduler),
                                   mask_ratios=plain(sc.mask_ratios) or None, ema_decay=float(sc.optim.ema_decay),
-                                  lr_fn=lr_schedule(sc.optim), max_norm_growth=float(sc.train.max_param_norm_growth))
+                                  max_norm_growth=float(sc.train.max_param_norm_growth))
         step = TrainStep(step_fn, plan)
         if key is not None:
             _STEPS[key] = (plan, step)

@@ -30,27 +30,22 @@ from jaxsora.diffusion.masks import MaskGenerator
 from jaxsora.models.lora import dropout_rng as lora_dropout_rng
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
-from jaxsora.train.step.optim import ema_update
+from jaxsora.train.step.optim import AdamW
 from jaxsora.train.step.state import StatePlan, TrainState
 
 # Batch entries that replace the step's own random draws (see `make_train_step`).
 EXPLICIT_DRAWS = ("t", "noise", "x_mask", "drop_ids")
 
 
-def weight_norm(params) -> jax.Array:
-    return optax.tree.norm(params)
-
-
 def make_train_step(
     graphdef,
-    tx: optax.GradientTransformation,
+    optimizer: AdamW,
     *,
     encode_video: Callable[[jax.Array, jax.Array], jax.Array],
     encode_text: Callable[[jax.Array, jax.Array], jax.Array],
     scheduler_cfg: dict,
     mask_ratios: dict | None,
     ema_decay: float,
-    lr_fn: Callable,
     max_norm_growth: float = 0.0,
 ):
     """Returns `step(state, batch, encoders) -> (state, metrics)`, to be jitted by the caller.
@@ -62,6 +57,7 @@ def make_train_step(
     VAE/T5 weights are not baked into the executable as constants.
     encode_video(encoders, video, key) → latents [B, C, T', H', W'] (no gradient);
     encode_text(encoders, ids, text_mask) → [B, L, D] text states (no gradient).
+    optimizer: the recipe's clipping and AdamW (`AdamW.update`; the state's opt_state is `optimizer.tx()`'s).
     max_norm_growth: > 0 rejects an update with ‖params'‖ > max_norm_growth · ‖params‖ (0: off).
 
     The step's random draws come from the state's key. A batch may instead carry them (`EXPLICIT_DRAWS`):
@@ -112,32 +108,20 @@ def make_train_step(
     def step(state: TrainState, batch: dict, encoders=None):
         loss, grads = loss_and_grads(state, batch, encoders)
         grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        old_norm = weight_norm(state.params)
-        growth = jnp.ones((), jnp.float32)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new_norm = weight_norm(params)
-        if max_norm_growth > 0:
-            growth = new_norm / jnp.maximum(old_norm, jnp.finfo(jnp.float32).tiny)
-            ok = ok & jnp.isfinite(new_norm) & (growth <= max_norm_growth)
-        # A rejected step leaves the state as it was: every array picks its old value by the scalar `ok`, from
-        # one computed update. Measured against a lax.cond whose branch recomputed the update (the compiled
-        # XLA:CPU step at bench/step.py's shapes): the select needs as much scratch memory as no guard at all
-        # at `realistic` and `240p` (0.696 and 1.095 GiB, the cond 0.761 and 1.347) and less at `wide` (1.144,
+        # A rejected step leaves the state as it was: every array picks its old value by the scalar verdict, from
+        # one computed update (AdamW.update). Measured against a lax.cond whose branch recomputed the update (the
+        # compiled XLA:CPU step at bench/step.py's shapes): the select needs as much scratch memory as no guard at
+        # all at `realistic` and `240p` (0.696 and 1.095 GiB, the cond 0.761 and 1.347) and less at `wide` (1.144,
         # the cond 1.325), and runs 3-4% faster; the outputs still reuse the donated state's buffers. The two
         # differ in rounding only; the demo judged over two data/init seeds: colour 92/96, motion 90/96 with
         # the select, 95/96 and 88/96 with the cond (issue #24's note of 2026-11-26).
-        def pick(new, old):
-            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-        new_state = state.replace(step=jnp.where(ok, state.step + 1, state.step), params=pick(params, state.params),
-                                  opt_state=pick(opt_state, state.opt_state),
-                                  ema=pick(ema_update(state.ema, params, ema_decay), state.ema))
-        norm = jnp.where(ok, new_norm, old_norm)  # the applied parameters' norm
+        params, opt_state, ema, norm, growth, ok = optimizer.update(
+            grads, grad_norm, state.opt_state, state.params, state.ema, ema_decay=ema_decay,
+            accept=jnp.isfinite(loss) & jnp.isfinite(grad_norm), max_norm_growth=max_norm_growth)
+        new_state = state.replace(step=jnp.where(ok, state.step + 1, state.step), params=params,
+                                  opt_state=opt_state, ema=ema)
         metrics = dict(loss=loss, grad_norm=grad_norm, weight_norm=norm,
-                       lr=lr_fn(state.step), nonfinite=(~ok).astype(jnp.int32), step=new_state.step,
+                       lr=optimizer.lr(state.step), nonfinite=(~ok).astype(jnp.int32), step=new_state.step,
                        norm_growth=growth)
         return new_state, metrics
 
