@@ -28,7 +28,11 @@ valid tokens itself.
 The step is fed latents and text states directly (the frozen VAE and T5 are not timed); it is
 otherwise the training step: rectified-flow loss with caption dropout, gradients, clipping, AdamW
 and EMA, the state donated. The reference row is the real Open-Sora step as scripts/train.py runs
-it: training_losses, backward, gradient clipping, AdamW and the EMA update.
+it: training_losses, backward, gradient clipping, AdamW and the EMA update. The two are timed in
+alternation — blocks of INTERLEAVE steps of each in turn, the reference in a process kept alive
+between its blocks — and the ratio printed is the median of the blocks' ratios, with their range: on
+a shared host a slow minute then falls on both sides (sequential runs of the same programs have read
+1.05× and 1.32× within the hour).
 
 On CPU, run it as CPU jobs should run (README, "Benchmarks"): `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python
 bench/step.py ...` — the variable reaches the reference's process too, so both sides run with it.
@@ -167,7 +171,15 @@ def timing_turn():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
+# jaxsora's and the reference's steps alternate in blocks of this many timed steps, each block after the first
+# preceded by an untimed one on either side: with glibc's huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1) the
+# first step after the other process's turn spent up to 5x the kernel time on its page faults (1.5 s at `240p`)
+INTERLEAVE = 4
+
+
+def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | None = None) -> dict:
+    """jaxsora's step at shape s; with `ref`, the reference's steps run in alternation with these (INTERLEAVE
+    of each in turn), and the row gets `ratios`: per block, its median step time over the reference's."""
     import jax
 
     import jaxsora.models  # noqa: F401
@@ -201,21 +213,31 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
         for _ in range(2):  # warm-up (allocations, caches)
             state, m = step(state, batch, {})
         jax.block_until_ready(m)
-        times = []
-        before = resource.getrusage(resource.RUSAGE_SELF)
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            state, m = step(state, batch, {})
-            jax.block_until_ready(m["loss"])
-            times.append(time.perf_counter() - t0)
-            progress(f"{s.name}: step {len(times)}/{args.steps} {times[-1]:.4f} s")
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        times, ratios, usage = [], [], []
+        while len(times) < args.steps:
+            block = []
+            if times and ref:  # untimed: the first step after the reference's turn (see INTERLEAVE)
+                state, m = step(state, batch, {})
+                jax.block_until_ready(m["loss"])
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            for _ in range(min(INTERLEAVE if ref else args.steps, args.steps - len(times))):
+                t0 = time.perf_counter()
+                state, m = step(state, batch, {})
+                jax.block_until_ready(m["loss"])
+                block.append(time.perf_counter() - t0)
+                progress(f"{s.name}: step {len(times) + len(block)}/{args.steps} {block[-1]:.4f} s")
+            usage.append((before, resource.getrusage(resource.RUSAGE_SELF)))
+            times += block
+            if ref:
+                ratios.append(float(np.median(block) / np.median(ref.steps(len(block)))))
         # what the kernel spends beside the step's own work: XLA:CPU allocates each execution's scratch buffer anew
         # (746 MB at `realistic`), above glibc's mmap threshold a fresh mapping whose every page faults in — 4 KB
         # pages, or huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (README, "Benchmarks")
-        progress(f"{s.name}: per step {(after.ru_minflt - before.ru_minflt) / args.steps:.0f} page faults, "
-                 f"{(after.ru_stime - before.ru_stime) / args.steps:.3f} s kernel CPU, "
-                 f"{(after.ru_utime - before.ru_utime) / args.steps:.3f} s user CPU")
+        def per_step(field):
+            return sum(getattr(b, field) - getattr(a, field) for a, b in usage) / args.steps
+
+        progress(f"{s.name}: per step {per_step('ru_minflt'):.0f} page faults, {per_step('ru_stime'):.3f} s kernel "
+                 f"CPU, {per_step('ru_utime'):.3f} s user CPU")
         dt = float(np.median(times))
         breakdown = None
         if args.profile:
@@ -231,7 +253,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0) -> dict:
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
                 mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
                 peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]), text_tokens=int(batch["text_mask"].shape[1]),
-                breakdown=breakdown)
+                breakdown=breakdown, ratios=ratios)
 
 
 PROFILED_STEPS = 3
@@ -421,9 +443,20 @@ def update():
 def step():
     grads_of_one_batch(); update()
 step(); step()
+# timed on request, interleaved with jaxsora's steps: a line "n" runs one untimed step (the first after jaxsora's
+# turn, as jaxsora's side leaves its first untimed: see INTERLEAVE), then n timed ones, and answers their times;
+# "end" ends
+print("READY", flush=True)
 ts = []
-for _ in range(a["steps"]):
-    t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    block = []
+    step()
+    for _ in range(int(line)):
+        t0 = time.perf_counter(); step(); block.append(time.perf_counter() - t0)
+    ts += block
+    print("TIMES " + json.dumps(block), flush=True)
 out = dict(step_s=float(np.median(ts)), threads=torch.get_num_threads())
 if a.get("profile"):
     # matmul self time from torch.profiler; the update (clip, AdamW, EMA) timed around its call
@@ -441,30 +474,67 @@ print("REF " + json.dumps(out))
 '''
 
 
-def bench_reference(s: Shape, args) -> dict:
-    cfg = model_config(s)
-    conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, patch_size=list(cfg.patch_size),
-                in_channels=cfg.in_channels, caption_channels=cfg.caption_channels,
-                model_max_length=cfg.model_max_length, qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
-    payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), steps=args.steps, profile=args.profile,
-                              caption_lengths=caption_lengths(s.batch, cfg.model_max_length).tolist()))
-    harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(REF_SCRIPT)
-    progress(f"{s.name}: timing the Open-Sora step")
-    out = subprocess.run([args.reference, f.name, payload], capture_output=True, text=True,
-                         env={**os.environ, "REFHARNESS": harness})
-    os.unlink(f.name)
-    if out.returncode:
-        raise RuntimeError(f"reference step failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.split("REF ", 1)[1])
-    model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
-    return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=r["step_s"],
-                compile_s=None, tokens_per_s=tokens(cfg, s.latent, s.batch) / r["step_s"],
-                model_tflops=model_flops / r["step_s"] / 1e12, xla_tflops=None, mfu=None, peak_gib=None, loss=None,
-                breakdown=None if "matmul_ms" not in r else {
-                    "matmul (forward + backward)": r["matmul_ms"], "optimizer, norms, EMA": r["update_ms"],
-                    "other (forward + backward, wall − the two)": 1e3 * r["step_s"] - r["matmul_ms"] - r["update_ms"]})
+class ReferenceSession:
+    """The real Open-Sora step at shape s in its own process (the refharness env's python), built and warmed up
+    once, then timed on request — `steps(n)` between blocks of jaxsora's steps, so that both sides are timed
+    back to back in alternation and a slow minute of a shared host falls on both (on the 2-core machine the same
+    step has read 2.4 s and 3.1 s within the hour)."""
+
+    def __init__(self, s: Shape, args):
+        cfg = model_config(s)
+        conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+                    patch_size=list(cfg.patch_size), in_channels=cfg.in_channels,
+                    caption_channels=cfg.caption_channels, model_max_length=cfg.model_max_length,
+                    qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
+        payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), profile=args.profile,
+                                  caption_lengths=caption_lengths(s.batch, cfg.model_max_length).tolist()))
+        harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(REF_SCRIPT)
+        self.script, self.shape, self.times = f.name, s, []
+        self.model_flops = 3 * forward_flops(cfg, s.latent, cfg.model_max_length) * s.batch
+        self.tokens = tokens(cfg, s.latent, s.batch)
+        progress(f"{s.name}: building and warming up the Open-Sora step")
+        # its stderr, read if it fails (a pipe left unread could fill and stall it); closed by finish()
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.proc = subprocess.Popen([args.reference, self.script, payload], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "REFHARNESS": harness})
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.proc.wait()
+        os.unlink(self.script)
+        self.log.seek(0)
+        raise RuntimeError(f"reference step failed:\n{self.log.read()[-3000:]}")
+
+    def steps(self, n: int) -> list:
+        """Run n Open-Sora steps now; their times (s)."""
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        block = json.loads(self._expect("TIMES "))
+        self.times += block
+        progress(f"{self.shape.name}: Open-Sora steps {', '.join(f'{t:.4f}' for t in block)} s")
+        return block
+
+    def finish(self) -> dict:
+        """End the process (with --profile, after its profile) and return the reference's row."""
+        self.proc.stdin.write("end\n")
+        self.proc.stdin.flush()
+        r = json.loads(self._expect("REF "))
+        self.proc.wait()
+        os.unlink(self.script)
+        self.log.close()
+        step_s = float(np.median(self.times))
+        return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=step_s,
+                    compile_s=None, tokens_per_s=self.tokens / step_s, model_tflops=self.model_flops / step_s / 1e12,
+                    xla_tflops=None, mfu=None, peak_gib=None, loss=None,
+                    breakdown=None if "matmul_ms" not in r else {
+                        "matmul (forward + backward)": r["matmul_ms"], "optimizer, norms, EMA": r["update_ms"],
+                        "other (forward + backward, wall − the two)": 1e3 * step_s - r["matmul_ms"] - r["update_ms"]})
 
 
 def main(argv=None):
@@ -540,9 +610,10 @@ def _main(args):
         shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     results = []
     for s in shapes:
-        rows = [bench_jax(s, args, float(g)) for g in args.norm_guard.split(",")]
-        if args.reference:
-            rows.append(bench_reference(s, args))
+        ref = ReferenceSession(s, args) if args.reference else None
+        rows = [bench_jax(s, args, float(g), ref) for g in args.norm_guard.split(",")]
+        if ref:
+            rows.append(ref.finish())
         results.append((s, rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -564,7 +635,9 @@ def _main(args):
                   f"{fmt(r['peak_gib'], '8.2f'):>8}")
         if args.reference:
             for r in rows[:-1]:
-                print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {r['step_s'] / rows[-1]['step_s']:.2f}")
+                q = r["ratios"]
+                print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {np.median(q):.2f} (median of {len(q)} "
+                      f"alternating blocks of {INTERLEAVE} steps each, {min(q):.2f}–{max(q):.2f})")
     if args.profile:
         print("\nwhere a step's time goes (ms per step; jaxsora: XLA:CPU thunks, which may overlap, or GPU kernels)")
         for s, rows in results:

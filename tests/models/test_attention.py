@@ -57,6 +57,35 @@ def test_even_padded_is_attention_over_the_original_sequences(nq, nk, lengths):
         assert rel_err(a, b) <= 1e-6
 
 
+def _autodiff_attention(q, k, v, kv_lengths):
+    """softmax(q·kᵀ/√Dh)·v differentiated by autodiff's own rules: the reference for the XLA core's
+    written-out backward (its row sums taken as dO·O)."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if kv_lengths is not None:
+        valid = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
+        logits = jnp.where(valid[:, None, None, :], logits, L.MASKED_LOGIT)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+    if kv_lengths is not None:  # a sample without a valid key attends to nothing
+        out = jnp.where((kv_lengths > 0)[:, None, None, None], out, 0)
+    return out
+
+
+@pytest.mark.parametrize("nq,nk,lengths", CASES)
+def test_xla_attention_gradients_equal_autodiff(nq, nk, lengths):
+    q, k, v = _qkv(nq, nk, seed=7 * nq + nk)
+    lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
+    ours = lambda q, k, v: L.attention(q, k, v, impl=None, kv_lengths=lens)  # noqa: E731
+    assert rel_err(ours(q, k, v), _autodiff_attention(q, k, v, lens)) <= 1e-6
+    g = jax.jit(jax.grad(_loss(ours, w), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.grad(_loss(lambda q, k, v: _autodiff_attention(q, k, v, lens), w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g, g_ref):
+        assert rel_err(a, b) <= 1e-5
+    if lengths is not None:  # keys past a sample's length get exactly zero gradient
+        for i, n in enumerate(lengths):
+            assert not np.any(np.asarray(g[1])[i, n:]) and not np.any(np.asarray(g[2])[i, n:])
+
+
 @on_gpu
 @pytest.mark.parametrize("nq,nk,lengths", CASES)
 def test_cudnn_attention_and_its_gradients_at_odd_lengths(nq, nk, lengths):

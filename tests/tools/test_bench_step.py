@@ -73,3 +73,45 @@ def test_dense_backward_switch_changes_the_traced_program_and_restores_it():
         assert lora.dense_matmul is layers.dense_matmul
     assert "custom_vjp" in program()
     assert lora.dense_matmul is layers.dense_matmul
+
+
+# A stand-in for the Open-Sora step's process, speaking ReferenceSession's protocol: READY once built, a line "n"
+# → one untimed step then n timed ones ("TIMES [...]"), "end" → its row ("REF {...}"). It records what it was asked.
+FAKE_REFERENCE = r'''
+import json, sys
+a = json.loads(sys.argv[1])
+if a["batch"] == 3:  # the failing case
+    sys.exit("RuntimeError: the reference could not build the model")
+print("READY", flush=True)
+asked = []
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    asked.append(int(line))
+    print("TIMES " + json.dumps([0.5 + 0.1 * len(asked)] * int(line)), flush=True)
+print("REF " + json.dumps(dict(step_s=0.0, threads=2, asked=asked)), flush=True)
+'''
+
+
+def _session(monkeypatch, batch):
+    import argparse
+
+    monkeypatch.setattr(bench_step, "REF_SCRIPT", FAKE_REFERENCE)
+    shape = bench_step.Shape("t", "tiny", (4, 16, 16), batch)
+    return bench_step.ReferenceSession(shape, argparse.Namespace(reference=sys.executable, profile=False))
+
+
+def test_reference_session_runs_its_steps_when_asked_and_reports_their_median(monkeypatch):
+    ref = _session(monkeypatch, 2)
+    assert ref.steps(3) == [0.6] * 3
+    assert ref.steps(1) == [0.7]
+    row = ref.finish()
+    assert row["step_s"] == 0.6  # the median of the times it answered, not what its process says
+    assert row["impl"] == "Open-Sora PyTorch (fp32, 2 thr)" and ref.proc.returncode == 0
+
+
+def test_reference_session_that_fails_raises_with_its_stderr(monkeypatch):
+    import pytest
+
+    with pytest.raises(RuntimeError, match="could not build the model"):
+        _session(monkeypatch, 3)
