@@ -58,12 +58,12 @@ def measure(args) -> dict:
     import jaxsora.models  # noqa: F401
     from jaxsora.models.presets import get_model_config
     from jaxsora.parallel.mesh import logical_rules, make_mesh
-    from jaxsora.train.step.optim import make_optimizer
+    from jaxsora.train.step.optim import AdamW
     from jaxsora.train.step.state import init_variables_sharded, model_variables, plan_state, with_variables
 
     mesh = make_mesh(dict(data=args.devices // args.fsdp, fsdp=args.fsdp, sequence=1))
     cfg = get_model_config(args.model)
-    tx = make_optimizer(dict(lr=1e-4))
+    tx = AdamW.from_config(dict(lr=1e-4)).tx()
     t0 = time.perf_counter()
     plan = plan_state(cfg, tx, 0, mesh, logical_rules(mesh))
     plan_s = time.perf_counter() - t0

@@ -175,11 +175,6 @@ class _AdamState:
         return (self.outer[0], chain) if self.clipped else chain
 
 
-def make_optimizer(optim_cfg) -> optax.GradientTransformation:
-    """The recipe's optax chain (`AdamW.tx()`)."""
-    return AdamW.from_config(optim_cfg).tx()
-
-
 def ema_update(ema, params, decay: float):
     """ema ← decay·ema + (1 − decay)·params, in float32."""
     return jax.tree.map(lambda e, p: (decay * e + (1.0 - decay) * p.astype(jnp.float32)).astype(e.dtype), ema, params)
