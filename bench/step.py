@@ -354,6 +354,7 @@ def profile_jax(step, state, batch, top: int = 0) -> tuple:
         if os.environ.get("BENCH_PROFILE_KEEP"):  # a folder: keep the raw trace (xprof / tensorboard read it)
             import shutil
 
+            os.makedirs(os.environ["BENCH_PROFILE_KEEP"], exist_ok=True)
             keep = os.path.join(os.environ["BENCH_PROFILE_KEEP"], os.environ.get("BENCH_STEP_NAME", "step"))
             shutil.copy(trace, keep + ".xplane.pb")
             with open(keep + ".hlo.txt", "w") as f:  # the compiled program: the trace's names are read against it
