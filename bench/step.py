@@ -508,9 +508,10 @@ class ReferenceSession:
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
         self.proc.wait()
-        os.unlink(self.script)
         self.log.seek(0)
-        raise RuntimeError(f"reference step failed:\n{self.log.read()[-3000:]}")
+        err = self.log.read()[-3000:]
+        self.close()
+        raise RuntimeError(f"reference step failed:\n{err}")
 
     def steps(self, n: int) -> list:
         """Run n Open-Sora steps now; their times (s)."""
@@ -521,14 +522,23 @@ class ReferenceSession:
         progress(f"{self.shape.name}: Open-Sora steps {', '.join(f'{t:.4f}' for t in block)} s")
         return block
 
+    def close(self):
+        """End the process (killed if it is still running: jaxsora's side failed) and remove its files; once."""
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.unlink(self.script)
+        self.log.close()
+
     def finish(self) -> dict:
         """End the process (with --profile, after its profile) and return the reference's row."""
         self.proc.stdin.write("end\n")
         self.proc.stdin.flush()
         r = json.loads(self._expect("REF "))
         self.proc.wait()
-        os.unlink(self.script)
-        self.log.close()
+        self.close()
         step_s = float(np.median(self.times))
         return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=step_s,
                     compile_s=None, tokens_per_s=self.tokens / step_s, model_tflops=self.model_flops / step_s / 1e12,
@@ -612,7 +622,12 @@ def _main(args):
     results = []
     for s in shapes:
         ref = ReferenceSession(s, args) if args.reference else None
-        rows = [bench_jax(s, args, float(g), ref) for g in args.norm_guard.split(",")]
+        try:
+            rows = [bench_jax(s, args, float(g), ref) for g in args.norm_guard.split(",")]
+        except BaseException:  # no Open-Sora process left waiting for its next block
+            if ref:
+                ref.close()
+            raise
         if ref:
             rows.append(ref.finish())
         results.append((s, rows))

@@ -3,6 +3,7 @@
 Kernel names are those of an H200 trace (jax 0.11.2, the XL/2 step run as a CUDA graph, no `hlo_op` stat):
 XLA's own kernels carry the instruction's name with '.' written '_'; cuBLAS and cuDNN kernels carry none."""
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -115,3 +116,13 @@ def test_reference_session_that_fails_raises_with_its_stderr(monkeypatch):
 
     with pytest.raises(RuntimeError, match="could not build the model"):
         _session(monkeypatch, 3)
+
+
+def test_reference_session_closed_midway_ends_its_process_and_files(monkeypatch):
+    """What bench/step.py does when jaxsora's side fails between two blocks: no Open-Sora process is left
+    waiting on its stdin, no script file left behind; closing twice is harmless."""
+    ref = _session(monkeypatch, 2)
+    ref.steps(2)
+    ref.close()
+    assert ref.proc.returncode is not None and not os.path.exists(ref.script)
+    ref.close()
