@@ -7,6 +7,7 @@ loop (the compile is reported apart, and not timed) and the relative difference 
 
     python bench/sample.py --reference /tmp/refenv/bin/python                  # the listed shapes
     python bench/sample.py --shapes realistic --reference /tmp/refenv/bin/python --steps 30
+    python bench/sample.py --reference /tmp/refenv/bin/python --cpu-matmul xla,onednn   # also JAXSORA_CPU_MATMUL=onednn
 
 Listed shapes (latent T×H×W; the text is the real caption size, 300 tokens × 4096, 40–150 valid):
   realistic   depth 4, hidden 384, 6 heads, 144p × 17 frames (5×18×32 latents → 720 tokens), batch 2
@@ -149,28 +150,37 @@ def main(argv=None):
     ap.add_argument("--shapes", default="realistic,wide", help="comma-separated: " + ", ".join(SHAPES))
     ap.add_argument("--steps", type=int, default=30, help="sampling steps (Open-Sora's default 30)")
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time RFLOW.sample")
+    ap.add_argument("--cpu-matmul", default="xla", help="XLA:CPU's matmul library (JAXSORA_CPU_MATMUL) to time side "
+                    "by side: xla (the default), onednn, or xla,onednn")
     args = ap.parse_args(argv)
+    from jaxsora.parallel import compile_options
+
     rows = []
     for name in args.shapes.split(","):
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}; listed: {', '.join(SHAPES)}")
         cfg, model, inputs = build(name)
-        out, seconds, first = bench_jax(model, inputs, args.steps)
-        row = dict(shape=name, jax_s=seconds, compile_s=first - seconds)
+        timed = []
+        for matmul in args.cpu_matmul.split(","):
+            os.environ[compile_options.ENV] = matmul  # read when the sampler's loop is jitted (rflow.programs)
+            out, seconds, first = bench_jax(model, inputs, args.steps)
+            label = name + (" oneDNN" if compile_options.of_default_backend() else "")
+            timed.append((out, dict(shape=label, jax_s=seconds, compile_s=first - seconds)))
         if args.reference:
             ref, ref_s, threads = bench_reference(cfg, model, inputs, args.steps, args.reference)
-            row.update(ref_s=ref_s, threads=threads, ratio=seconds / ref_s,
-                       rel_diff=float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
-        rows.append(row)
+            for out, row in timed:
+                row.update(ref_s=ref_s, threads=threads, ratio=row["jax_s"] / ref_s,
+                           rel_diff=float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
+        rows += [row for _, row in timed]
         t, h, w = SHAPES[name]["latent"]
         print(f"  {name}: depth {cfg.depth} hidden {cfg.hidden_size} heads {cfg.num_heads}, latents {t}×{h}×{w}, "
               f"batch {SHAPES[name]['batch']}, caption {cfg.model_max_length}×{cfg.caption_channels}, "
               f"{args.steps} steps, CFG 7", flush=True)
-    print(f"\n{'shape':<10} {'jaxsora s':>10} {'(compile s)':>12} {'Open-Sora s':>12} {'ratio':>6} {'rel diff':>9}")
+    print(f"\n{'shape':<17} {'jaxsora s':>10} {'(compile s)':>12} {'Open-Sora s':>12} {'ratio':>6} {'rel diff':>9}")
     for r in rows:
         ref = (f"{r['ref_s']:>12.2f} {r['ratio']:>6.2f} {r['rel_diff']:>9.1e}" if "ref_s" in r
                else f"{'-':>12} {'-':>6} {'-':>9}")
-        print(f"{r['shape']:<10} {r['jax_s']:>10.2f} {r['compile_s']:>12.1f} {ref}")
+        print(f"{r['shape']:<17} {r['jax_s']:>10.2f} {r['compile_s']:>12.1f} {ref}")
     return rows
 
 

@@ -7,6 +7,7 @@ devices); with `--reference`, the real Open-Sora PyTorch step at the same shape,
     python bench/step.py --shapes h100                           # XL/2 240p×51 (remat) and 3B/2, bf16
     python bench/step.py --shapes realistic --reference /tmp/refenv/bin/python --profile   # where the time goes
     python bench/step.py --shapes realistic --profile --profile-top 30   # ... and its costliest non-matmul thunks
+    python bench/step.py --shapes realistic --reference ... --cpu-matmul xla,onednn   # XLA:CPU's matmuls and oneDNN's
     python bench/step.py --model STDiT3-XL/2 --latent 15x30x53 --batch 4 --dtype bfloat16 --remat full
     python bench/step.py --model STDiT3-XL/2 --set depth=3,hidden_size=576,num_heads=9 --latent 5x24x42 \
         --reference /tmp/refenv/bin/python                      # a shape of your own, against the reference
@@ -177,12 +178,15 @@ def timing_turn():
 INTERLEAVE = 4
 
 
-def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | None = None) -> dict:
+def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | None = None,
+              cpu_matmul: str = "xla") -> dict:
     """jaxsora's step at shape s; with `ref`, the reference's steps run in alternation with these (INTERLEAVE
-    of each in turn), and the row gets `ratios`: per block, its median step time over the reference's."""
+    of each in turn), and the row gets `ratios`: per block, its median step time over the reference's.
+    cpu_matmul: JAXSORA_CPU_MATMUL for this step's compile ("xla" or "onednn", `jaxsora.parallel.compile_options`)."""
     import jax
 
     import jaxsora.models  # noqa: F401
+    from jaxsora.parallel import compile_options
     from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.parallel.sharding import abstract_of
     from jaxsora.train.step.optim import AdamW
@@ -196,6 +200,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
     fn = make_train_step(plan.graphdef, optimizer, encode_video=lambda e, v, k: v, encode_text=lambda e, y, m: y,
                          scheduler_cfg=dict(sample_method="logit-normal", use_timestep_transform=True),
                          mask_ratios=None, ema_decay=0.99, max_norm_growth=norm_guard)
+    os.environ[compile_options.ENV] = cpu_matmul  # read when the step is jitted (TrainStep)
     step = TrainStep(fn, plan)
     batch = inputs(cfg, s, mesh)
     spec = abstract_of(batch)
@@ -247,7 +252,8 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
     kind = jax.devices()[0].device_kind.lower()
     peak = args.peak_tflops or ((device_peak_flops(kind, s.dtype) or 0) / 1e12 or None)
-    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard"),
+    onednn = ", oneDNN matmuls" if compile_options.of_mesh(mesh) else ""
+    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard") + onednn,
                 device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
                 compile_s=lower_s + info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
@@ -572,6 +578,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the rows to this file (JSON)")
     ap.add_argument("--norm-guard", default="2", help="train.max_param_norm_growth values to time side by side, "
                     "e.g. 0,2 (0: off; 2: the default)")
+    ap.add_argument("--cpu-matmul", default="xla", help="XLA:CPU's matmul library (JAXSORA_CPU_MATMUL) to time side "
+                    "by side: xla (the default), onednn, or xla,onednn")
     ap.add_argument("--dense-backward", default="custom", choices=["custom", "autodiff"],
                     help="the Linear layers' backward: layers.dense_matmul's (custom, the default) or autodiff's "
                     "(A/B of the weight-gradient form on another backend)")
@@ -623,7 +631,8 @@ def _main(args):
     for s in shapes:
         ref = ReferenceSession(s, args) if args.reference else None
         try:
-            rows = [bench_jax(s, args, float(g), ref) for g in args.norm_guard.split(",")]
+            rows = [bench_jax(s, args, float(g), ref, m) for g in args.norm_guard.split(",")
+                    for m in args.cpu_matmul.split(",")]
         except BaseException:  # no Open-Sora process left waiting for its next block
             if ref:
                 ref.close()
@@ -638,14 +647,14 @@ def _main(args):
     def fmt(v, f):
         return "-" if v is None else format(v, f)
 
-    head = (f"{'shape':<14} {'implementation':<32} {'device':<16} {'step s':>8} {'tokens/s':>9} {'model TF/s':>10} "
+    head = (f"{'shape':<14} {'implementation':<44} {'device':<16} {'step s':>8} {'tokens/s':>9} {'model TF/s':>10} "
             f"{'XLA TF/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8}")
     print()
     print(head)
     print("-" * len(head))
     for s, rows in results:
         for r in rows:
-            print(f"{s.name:<14} {r['impl']:<32} {r['device'][:16]:<16} {r['step_s']:>8.4f} {r['tokens_per_s']:>9.0f} "
+            print(f"{s.name:<14} {r['impl']:<44} {r['device'][:16]:<16} {r['step_s']:>8.4f} {r['tokens_per_s']:>9.0f} "
                   f"{r['model_tflops']:>10.3f} {fmt(r['xla_tflops'], '9.3f'):>9} "
                   f"{fmt(r['mfu'] and 100 * r['mfu'], '5.1f'):>6} {fmt(r['compile_s'], '9.1f'):>9} "
                   f"{fmt(r['peak_gib'], '8.2f'):>8}")
@@ -659,7 +668,7 @@ def _main(args):
         for s, rows in results:
             for r in rows:
                 for k, v in sorted((r.get("breakdown") or {}).items()):
-                    print(f"{s.name:<14} {r['impl']:<32} {k:<44} {v:9.1f}")
+                    print(f"{s.name:<14} {r['impl']:<44} {k:<44} {v:9.1f}")
     for s, rows in results:
         cfg = model_config(s)
         lens = caption_lengths(s.batch, cfg.model_max_length)

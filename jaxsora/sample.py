@@ -247,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "or a converted checkpoint)")
     if args.num_sample < 1:
         raise BadInput(f"--num-sample must be at least 1, got {args.num_sample}")
+    from jaxsora.parallel import compile_options
+
+    compile_options.cpu_matmul()  # $JAXSORA_CPU_MATMUL
 
     # Every check of the input runs before jax is imported (a mistake is answered at once) and before connecting,
     # so a mistake ends each process alone (no process is left waiting for another one in jax.distributed).

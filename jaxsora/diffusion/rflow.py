@@ -21,12 +21,15 @@ Deliberate differences from the reference (everything else is equal to it, see t
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxsora.parallel import compile_options
 
 # Open-Sora 1.2: 1000 training timesteps (RFlowScheduler.num_timesteps).
 NUM_TIMESTEPS = 1000
@@ -317,19 +320,29 @@ def denoise(model_fn: ModelFn, z, cond: dict, null_y, ts, *, key=None, cfg_scale
     return z
 
 
-_sample_init_jit = jax.jit(sample_init)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _module_steps(graphdef, state, carry, cond2, key, ts, mask, step_noise, cfg_scale, start, stop):
+def _module_steps_impl(graphdef, state, carry, cond2, key, ts, mask, step_noise, cfg_scale, start, stop):
     return sample_steps(nnx.merge(graphdef, state), carry, cond2, key, ts, mask=mask, step_noise=step_noise,
                         cfg_scale=cfg_scale, start=start, stop=stop)
 
 
-@functools.partial(jax.jit, static_argnames=("model_fn",))
-def _fn_steps(model_fn, carry, cond2, key, ts, mask, step_noise, cfg_scale, start, stop):
+def _fn_steps_impl(model_fn, carry, cond2, key, ts, mask, step_noise, cfg_scale, start, stop):
     return sample_steps(model_fn, carry, cond2, key, ts, mask=mask, step_noise=step_noise, cfg_scale=cfg_scale,
                         start=start, stop=stop)
+
+
+def programs() -> types.SimpleNamespace:
+    """`sample`'s jitted pieces (init, steps of an nnx.Module, steps of a plain function), with the default
+    backend's compiler options (`jaxsora.parallel.compile_options`); made once per set of options."""
+    return _programs(tuple(sorted((compile_options.of_default_backend() or {}).items())))
+
+
+@functools.cache
+def _programs(options: tuple) -> types.SimpleNamespace:
+    opts = dict(options) or None
+    return types.SimpleNamespace(
+        init=jax.jit(sample_init, compiler_options=opts),
+        module_steps=jax.jit(_module_steps_impl, static_argnames=("graphdef",), compiler_options=opts),
+        fn_steps=jax.jit(_fn_steps_impl, static_argnames=("model_fn",), compiler_options=opts))
 
 
 def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps: int = DEFAULT_SAMPLING_STEPS,
@@ -368,12 +381,12 @@ def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps:
                                                                            step_noise, ts))):
         return denoise(model_fn, z, cond, null_y, ts, key=key, cfg_scale=cfg_scale, mask=mask, x_cond=x_cond,
                        step_noise=step_noise)
-    carry, cond2 = _sample_init_jit(z, cond, null_y, mask=mask, x_cond=x_cond)
+    carry, cond2 = programs().init(z, cond, null_y, mask=mask, x_cond=x_cond)
     if isinstance(model_fn, nnx.Module):
         graphdef, state = nnx.split(model_fn)
-        call = functools.partial(_module_steps, graphdef, state)
+        call = functools.partial(programs().module_steps, graphdef, state)
     else:
-        call = functools.partial(_fn_steps, model_fn)
+        call = functools.partial(programs().fn_steps, model_fn)
     step_fn = lambda carry, start, stop: call(carry, cond2, key, ts, mask, step_noise, cfg_scale,  # noqa: E731
                                               start, stop)
     bar = None

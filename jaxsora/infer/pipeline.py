@@ -50,6 +50,7 @@ from jaxsora.infer.locate import (
 )
 from jaxsora.infer.options import SampleSettings, default_settings
 from jaxsora.infer.writing import sample_name, write_samples
+from jaxsora.parallel import compile_options
 
 __all__ = ["Pipeline", "PipelineError", "CONVERTED_HINT", "default_mesh", "default_settings", "find_step_dir",
            "read_run_config", "vae_spec", "text_encoder_spec", "build_vae", "vae_align", "cond_pixel_frames",
@@ -94,10 +95,12 @@ class Pipeline:
         self.align = vae_align(vae)
         # How many times each jitted function was traced (a second batch of one shape adds nothing).
         self.trace_counts: collections.Counter = collections.Counter()
-        self._denoise_init = jax.jit(self._denoise_init_impl, static_argnames=("latent_shape",))
-        self._denoise = jax.jit(self._denoise_impl)
-        self._decode = jax.jit(self._decode_impl, static_argnames=("num_frames",))
-        self._encode = jax.jit(self._encode_impl)
+        opts = compile_options.of_mesh(mesh)
+        self._denoise_init = jax.jit(self._denoise_init_impl, static_argnames=("latent_shape",),
+                                     compiler_options=opts)
+        self._denoise = jax.jit(self._denoise_impl, compiler_options=opts)
+        self._decode = jax.jit(self._decode_impl, static_argnames=("num_frames",), compiler_options=opts)
+        self._encode = jax.jit(self._encode_impl, compiler_options=opts)
         self._to_uint8 = jax.jit(self._to_uint8_impl)
         self._last_denoise = None
 

@@ -34,6 +34,7 @@ vocabulary file. `build_text_encoder(cfg)` gives a host-side `TextEncoder` for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -50,7 +51,7 @@ from jaxsora.io.fill import fill_module
 from jaxsora.io.weights import open_state_dict
 from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.models.text_defaults import TINY_DEFAULTS
-from jaxsora.parallel import constraints
+from jaxsora.parallel import compile_options, constraints
 
 # Open-Sora 1.2 (configs/opensora-v1-2/train/*.py, text_encoder): model_max_length=300.
 OPENSORA_MODEL_MAX_LENGTH = 300
@@ -475,7 +476,7 @@ class TextEncoder:
         self.config = dict(config or {})
         graphdef = self.graphdef
 
-        @jax.jit
+        @functools.partial(jax.jit, compiler_options=compile_options.of_default_backend())
         def forward(state, ids, mask):
             return nnx.merge(graphdef, state)(ids, mask).astype(jnp.float32)
 

@@ -34,7 +34,10 @@ def test_stop_by_recorded_pid(cluster, capsys):
         assert "killed (SIGKILL after 1s)" in rows["node-b"], out
         wait_for(lambda: not any(alive(p) for p in pids.values()), 5, "the trainers to be gone")
         assert bystander.poll() is None  # the other `sleep` lives on
-        assert "exit code 143" in cluster.log("node-a") and "exit code 137" in cluster.log("node-b")
+        # each launch's watcher appends its trainer's exit code once it has reaped it: after the trainer is gone,
+        # not necessarily by the time this test sees it gone (read at once, node-b's line was missing once)
+        wait_for(lambda: "exit code 143" in cluster.log("node-a") and "exit code 137" in cluster.log("node-b"), 10,
+                 "the watchers to log the exit codes (143 and 137)")
 
         assert cluster.cli(hosts, "stop", "--grace", "1") == 0  # again: nothing left
         assert capsys.readouterr().out.count("was not running") == 2

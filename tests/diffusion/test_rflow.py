@@ -294,15 +294,15 @@ def test_sampler_bar_steps_are_one_cached_program(model, capsys):
               width=cond["width"], num_frames=_full(17, b))
     null = _null(model, G["sample_y"])
     quiet = rflow.sample(model, z, cond, null, progress=False, **kw)
-    before = rflow._module_steps._cache_size()
+    before = rflow.programs().module_steps._cache_size()
     shown = rflow.sample(model, z, cond, null, progress=True, **kw)
-    assert rflow._module_steps._cache_size() == before  # no new program for the bar, none per step
+    assert rflow.programs().module_steps._cache_size() == before  # no new program for the bar, none per step
     assert "sampling" in capsys.readouterr().err
     np.testing.assert_array_equal(np.asarray(shown), np.asarray(quiet))
 
     graphdef, state = nnx.split(model)
     carry, cond2 = rflow.sample_init(z, cond, null)
     ts = jnp.broadcast_to(rflow.sampling_timesteps(5, cond["height"], cond["width"], _full(17, b)), (5, b))
-    hlo = rflow._module_steps.lower(graphdef, state, carry, cond2, None, ts, None, None, jnp.float32(7), 0, 1)
+    hlo = rflow.programs().module_steps.lower(graphdef, state, carry, cond2, None, ts, None, None, jnp.float32(7), 0, 1)
     text = hlo.as_text()
     assert "while" in text and "callback" not in text.lower()

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
+from jaxsora.parallel import compile_options
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
 from jaxsora.train.step.train_step import CompileInfo, batch_key, batch_spec, global_batch
@@ -95,7 +96,8 @@ class EvalStep:
     def __init__(self, eval_fn: Callable, plan, *, use_ema: bool = False):
         self.eval_fn, self.plan, self.use_ema = eval_fn, plan, bool(use_ema)
         self.mesh, self.rules = plan.mesh, plan.rules
-        self._jit = jax.jit(self._traced, out_shardings=plan.replicated)
+        self._jit = jax.jit(self._traced, out_shardings=plan.replicated,
+                            compiler_options=compile_options.of_mesh(self.mesh))
         self.executables: dict = {}
         self.info: dict = {}
         self._lock = threading.Lock()

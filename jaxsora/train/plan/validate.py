@@ -11,6 +11,7 @@ import sys
 
 from jaxsora.data import text_length
 from jaxsora.errors import ConfigError
+from jaxsora.parallel import compile_options
 from jaxsora.train.plan.ranges import check_ranges
 
 
@@ -71,6 +72,7 @@ def check_before_jax(config, opts) -> None:
     `train()` runs them again (`validate_config`; `check_table` remembers a table it has read)."""
     check_ranges(config)
     check_run_flags(opts)
+    compile_options.cpu_matmul()  # $JAXSORA_CPU_MATMUL
     profile_range(opts.profile)
     _check_wandb_mode(config)
     _check_paths_exist(config, opts)

@@ -28,6 +28,7 @@ from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
 from jaxsora.diffusion.masks import MaskGenerator
 from jaxsora.models.lora import dropout_rng as lora_dropout_rng
+from jaxsora.parallel import compile_options
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
 from jaxsora.train.step.optim import AdamW
@@ -211,7 +212,8 @@ class TrainStep:
     def __init__(self, step_fn: Callable, plan: StatePlan):
         self.step_fn, self.plan = step_fn, plan
         self.mesh, self.rules = plan.mesh, plan.rules
-        self._jit = jax.jit(self._traced, donate_argnums=(0,), out_shardings=(plan.shardings, plan.replicated))
+        self._jit = jax.jit(self._traced, donate_argnums=(0,), out_shardings=(plan.shardings, plan.replicated),
+                            compiler_options=compile_options.of_mesh(self.mesh))
         self.executables: dict = {}
         self.info: dict = {}
         self._lock = threading.Lock()
@@ -253,7 +255,8 @@ class TrainStep:
                 return self.step_fn.loss_and_grads(state, batch, encoders)
 
         with jax.set_mesh(self.mesh):
-            return jax.jit(traced, out_shardings=(self.plan.replicated, self.plan.shardings.params))(
+            return jax.jit(traced, out_shardings=(self.plan.replicated, self.plan.shardings.params),
+                           compiler_options=compile_options.of_mesh(self.mesh))(
                 state, batch, encoders)
 
     def __call__(self, state, batch: dict, encoders):

@@ -1,0 +1,96 @@
+"""XLA compiler options for jaxsora's programs, by platform: the train and eval steps, the sampler and the T5
+encoder are jitted with `for_platform(...)` (or `of_mesh(mesh)`).
+
+One option today, opt-in: `JAXSORA_CPU_MATMUL=onednn` has XLA:CPU (x86-64) run every matmul through oneDNN, one
+oneDNN call per dot (`xla_cpu_use_onednn` with the INDIVIDUAL_DOT fusion type), instead of YNNPACK, XLA:CPU's
+default ("xla"). On the 2-core AVX-512 host of `bench/step.py` (jaxlib 0.10.2, 2026-11-28) oneDNN ran the
+attention's batched matmuls 1.5-1.9x as fast as YNNPACK (cross-attention's Q·Kᵀ at `realistic`,
+[4, 6, 720, 64]·[4, 6, 150, 64]ᵀ: 2.35 ms against 4.23) and the Linear layers' as fast or up to 1.2x as fast;
+whole programs, in-process A/B: the 30-step sampler 0.83-0.89x the time at `realistic`, 0.90x at `wide`; the
+train step 0.94-0.99x, within the host's noise against Open-Sora (README, "Benchmarks"). Outputs agree to ~2e-6
+(relative).
+
+Why not the default: XLA:CPU cannot serialize a program holding oneDNN calls ("ToProto is not implemented for
+thunk kind: onednn-fusion"), so such programs never reach jax's persistent compilation cache — every process
+compiles them anew (a cold `make test` with it on took 21 min; a sampling command recompiles its loop). Worth
+it for a long CPU run, not for the demo or short commands. And only single dots: with the DOT fusion type XLA hands
+oneDNN graphs of several ops (two dots and the add of their sum, as a gradient accumulates), which oneDNN's
+graph compiler fails on — "partition compile failed", then SIGILL.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform as _platform
+import sys
+import warnings
+
+from jaxsora.errors import BadInput
+
+ENV = "JAXSORA_CPU_MATMUL"  # "xla" (default) or "onednn"
+CHOICES = ("xla", "onednn")
+ONEDNN_DOTS = {
+    "xla_cpu_use_onednn": True,
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
+
+
+def cpu_matmul() -> str:
+    """The CPU matmul library asked for: $JAXSORA_CPU_MATMUL, "xla" when unset (no jax imported: the commands
+    check it before any work)."""
+    choice = os.environ.get(ENV, "xla").strip().lower() or "xla"
+    if choice not in CHOICES:
+        raise BadInput(f"{ENV} must be 'xla' or 'onednn', got {os.environ[ENV]!r}")
+    return choice
+
+
+def for_platform(platform: str) -> dict | None:
+    """The compiler options for a program on `platform` ("cpu", "gpu", "tpu"), or None (XLA's defaults)."""
+    if platform != "cpu" or cpu_matmul() == "xla":
+        return None
+    _quiet_cache_warning()
+    if not onednn_works():
+        raise BadInput(f"{ENV}=onednn: this machine's XLA:CPU has no working oneDNN matmuls (an x86-64 CPU and a "
+                       f"jaxlib built with oneDNN are needed); unset {ENV}")
+    return dict(ONEDNN_DOTS)
+
+
+def of_mesh(mesh) -> dict | None:
+    """`for_platform` of the mesh's devices."""
+    return for_platform(mesh.devices.flat[0].platform)
+
+
+def of_default_backend() -> dict | None:
+    """`for_platform` of jax's default backend (for programs that run on the default device)."""
+    import jax
+
+    return for_platform(jax.default_backend())
+
+
+@functools.cache
+def onednn_works() -> bool:
+    """x86-64, and a probe matmul compiled with `ONEDNN_DOTS` runs through oneDNN and gives the right numbers."""
+    if _platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    import jax
+    import numpy as np
+
+    cpu = jax.local_devices(backend="cpu")[0]
+    rng = np.random.default_rng(0)
+    a, b = (jax.device_put(rng.standard_normal(s).astype(np.float32), cpu) for s in ((2, 24, 40), (2, 40, 16)))
+    try:
+        probe = jax.jit(lambda x, y: x @ y).lower(a, b).compile(compiler_options=dict(ONEDNN_DOTS))
+        got = np.asarray(probe(a, b))
+    except Exception:  # noqa: BLE001 - an XLA without the options, or without oneDNN
+        return False
+    want = np.einsum("bij,bjk->bik", np.asarray(a, np.float64), np.asarray(b, np.float64))
+    return "onednn" in probe.as_text() and bool(np.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+
+@functools.cache
+def _quiet_cache_warning() -> None:
+    """jax warns, per program, that it could not write the persistent cache entry of a oneDNN program: said once
+    here instead."""
+    warnings.filterwarnings("ignore", message=r"(?s)Error writing persistent compilation cache entry.*onednn")
+    print(f"{ENV}=onednn: programs with oneDNN matmuls are compiled in every process (XLA:CPU cannot write them "
+          f"to the persistent compilation cache)", file=sys.stderr)
