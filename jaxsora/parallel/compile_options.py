@@ -33,6 +33,8 @@ ONEDNN_DOTS = {
     "xla_cpu_use_onednn": True,
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
 }
+# jax's warning, per program, that it could not write a oneDNN program's persistent cache entry: said once instead
+_CACHE_WARNING = r"(?s)Error writing persistent compilation cache entry.*onednn"
 
 
 def cpu_matmul() -> str:
@@ -48,10 +50,11 @@ def for_platform(platform: str) -> dict | None:
     """The compiler options for a program on `platform` ("cpu", "gpu", "tpu"), or None (XLA's defaults)."""
     if platform != "cpu" or cpu_matmul() == "xla":
         return None
-    _quiet_cache_warning()
+    warnings.filterwarnings("ignore", message=_CACHE_WARNING)  # before the probe, which is such a program too
     if not onednn_works():
         raise BadInput(f"{ENV}=onednn: this machine's XLA:CPU has no working oneDNN matmuls (an x86-64 CPU and a "
                        f"jaxlib built with oneDNN are needed); unset {ENV}")
+    _say_uncached()
     return dict(ONEDNN_DOTS)
 
 
@@ -88,9 +91,6 @@ def onednn_works() -> bool:
 
 
 @functools.cache
-def _quiet_cache_warning() -> None:
-    """jax warns, per program, that it could not write the persistent cache entry of a oneDNN program: said once
-    here instead."""
-    warnings.filterwarnings("ignore", message=r"(?s)Error writing persistent compilation cache entry.*onednn")
+def _say_uncached() -> None:
     print(f"{ENV}=onednn: programs with oneDNN matmuls are compiled in every process (XLA:CPU cannot write them "
           f"to the persistent compilation cache)", file=sys.stderr)
