@@ -3,10 +3,17 @@
 `RFLOW.sample` (through the reference harness), with the same weights (ours, exported with
 `jaxsora.convert.to_torch_state_dict` and loaded strict into the real STDiT3), the same initial noise,
 caption states and text masks, back to back on this machine. Prints each side's wall time for the whole
-loop (the compile is reported apart, and not timed) and the relative difference of the two outputs.
+loop (the first call, which compiles or reads the programs from jax's cache, is reported apart and not timed)
+and the relative difference of the two outputs.
+
+With --reference the two sides take turns: the reference's model is built once in a process of its own, which
+samples once untimed (one step) and then on request, and each of the --repeat rounds runs the reference's loop
+and then each of jaxsora's, back to back. The ratio printed is the median over rounds of jaxsora's time over the
+reference's in the same round, with the range, and each side's time is its median: on this shared 2-core host the
+same train step has read 1.0 s and 1.8 s within one minute, so one run of each side can be off by that much.
 
     python bench/sample.py --reference /tmp/refenv/bin/python                  # the listed shapes
-    python bench/sample.py --shapes realistic --reference /tmp/refenv/bin/python --steps 30
+    python bench/sample.py --shapes realistic --reference /tmp/refenv/bin/python --steps 30 --repeat 5
     python bench/sample.py --reference /tmp/refenv/bin/python --cpu-matmul xla,onednn   # also JAXSORA_CPU_MATMUL=onednn
 
 Listed shapes (latent T×H×W; the text is the real caption size, 300 tokens × 4096, 40–150 valid):
@@ -51,12 +58,17 @@ missing, unexpected = R.load_state_dict(model, a["weights"], strict=True)
 assert not missing and not unexpected, (missing, unexpected)
 model.eval()
 io = np.load(a["inputs"])
-def run():
-    return R.rflow_sample(model, io["z"], io["y"], io["mask"], y_null=io["y_null"], num_sampling_steps=a["steps"],
+def run(steps):
+    return R.rflow_sample(model, io["z"], io["y"], io["mask"], y_null=io["y_null"], num_sampling_steps=steps,
                           cfg_scale=7.0, fps=24.0, num_frames=io["num_frames"])
-t0 = time.perf_counter(); out = run(); dt = time.perf_counter() - t0
-np.save(a["out"], out)
-print("REF " + json.dumps(dict(seconds=dt, threads=torch.get_num_threads())))
+run(1)  # warm-up, untimed: PyTorch's first call (as jaxsora's first call, which compiles, is not timed either)
+print("READY", flush=True)
+for line in sys.stdin:  # one loop per line, timed, until "end"
+    if line.strip() == "end":
+        break
+    t0 = time.perf_counter(); out = run(a["steps"]); dt = time.perf_counter() - t0
+    np.save(a["out"], out)
+    print("REF " + json.dumps(dict(seconds=dt, threads=torch.get_num_threads())), flush=True)
 '''
 
 
@@ -89,7 +101,8 @@ def build(name: str):
     return cfg, model, inputs
 
 
-def bench_jax(model, inputs, steps: int):
+def jax_sampler(model, inputs, steps: int):
+    """jaxsora's sampling loop on `inputs`, as a function of no arguments returning the output [B, C, T, H, W]."""
     import jax
     import jax.numpy as jnp
 
@@ -112,37 +125,124 @@ def bench_jax(model, inputs, steps: int):
                            progress=False)
         return np.asarray(jax.block_until_ready(out))
 
+    return run
+
+
+def timed(fn):
+    """(fn's result, its wall time in s)."""
     t0 = time.perf_counter()
-    run()  # compile + first run
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = run()
-    return out, time.perf_counter() - t0, first
+    out = fn()
+    return out, time.perf_counter() - t0
 
 
-def bench_reference(cfg, model, inputs, steps: int, python: str):
-    from jaxsora.convert import save_torch_state_dict, to_torch_state_dict
+class ReferenceSampler:
+    """Open-Sora's STDiT3 with the same weights and `RFLOW.sample` on the same inputs, in the refharness env's
+    python, built once; `run()` samples once more and returns (output, seconds)."""
 
-    conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, patch_size=list(cfg.patch_size),
-                in_channels=cfg.in_channels, caption_channels=cfg.caption_channels,
-                model_max_length=cfg.model_max_length, qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
-    harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
-    with tempfile.TemporaryDirectory() as d:
-        weights, io, out = (os.path.join(d, n) for n in ("w.safetensors", "io.npz", "out.npy"))
+    def __init__(self, cfg, model, inputs, steps: int, python: str):
+        from jaxsora.convert import save_torch_state_dict, to_torch_state_dict
+
+        conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+                    patch_size=list(cfg.patch_size), in_channels=cfg.in_channels,
+                    caption_channels=cfg.caption_channels, model_max_length=cfg.model_max_length,
+                    qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
+        harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
+        self.dir = tempfile.TemporaryDirectory()
+        d = self.dir.name
+        weights, io, self.out = (os.path.join(d, n) for n in ("w.safetensors", "io.npz", "out.npy"))
         save_torch_state_dict(to_torch_state_dict(model), weights)
         np.savez(io, **inputs)
-        job = os.path.join(d, "job.json")
+        job, script = os.path.join(d, "job.json"), os.path.join(d, "ref.py")
         with open(job, "w") as f:
-            json.dump(dict(config=conf, weights=weights, inputs=io, out=out, steps=steps), f)
-        script = os.path.join(d, "ref.py")
+            json.dump(dict(config=conf, weights=weights, inputs=io, out=self.out, steps=steps), f)
         with open(script, "w") as f:
             f.write(REF_SCRIPT)
-        r = subprocess.run([python, script, job], capture_output=True, text=True, env={**os.environ,
-                                                                                       "REFHARNESS": harness})
-        if r.returncode:
-            raise RuntimeError(f"reference sampler failed:\n{r.stderr[-3000:]}")
-        info = json.loads(r.stdout.split("REF ", 1)[1])
-        return np.load(out), info["seconds"], info["threads"]
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - its stderr, read if it fails; closed by close()
+        self.proc = subprocess.Popen([python, script, job], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env={**os.environ, "REFHARNESS": harness})
+        self.threads = None
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.proc.wait()
+        self.log.seek(0)
+        err = self.log.read()[-3000:]
+        self.close()
+        raise RuntimeError(f"reference sampler failed:\n{err}")
+
+    def run(self):
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        info = json.loads(self._expect("REF "))
+        self.threads = info["threads"]
+        return np.load(self.out), info["seconds"]
+
+    def close(self):
+        """End the process (killed if it is still running) and remove its files; once."""
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            self.proc.stdin.write("end\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        self.dir.cleanup()
+
+
+def bench_shape(name: str, args, matmuls: list) -> list:
+    """The rows of one shape: per `JAXSORA_CPU_MATMUL` choice, jaxsora's loop timed --repeat times; with
+    --reference, each round the reference's loop first, then each of jaxsora's."""
+    from jaxsora.parallel import compile_options
+
+    cfg, model, inputs = build(name)
+    runs, rows = [], []
+    for matmul in matmuls:
+        os.environ[compile_options.ENV] = matmul  # read when the sampler's loop is jitted (rflow.programs)
+        run = jax_sampler(model, inputs, args.steps)
+        _, first = timed(run)  # compiles, or reads the programs from jax's persistent cache
+        label = name + (" oneDNN" if compile_options.of_default_backend() else "")
+        runs.append((matmul, run))
+        rows.append(dict(shape=label, first_s=first, jax=[], ref=[]))
+    ref = ReferenceSampler(cfg, model, inputs, args.steps, args.reference) if args.reference else None
+    try:
+        for k in range(args.repeat):
+            ref_s = None
+            if ref is not None:
+                ref_out, ref_s = ref.run()
+                progress(f"{name}: round {k + 1}/{args.repeat}: Open-Sora {ref_s:.2f} s")
+            for (matmul, run), row in zip(runs, rows):
+                os.environ[compile_options.ENV] = matmul
+                out, seconds = timed(run)
+                progress(f"{name}: round {k + 1}/{args.repeat}: {row['shape']} {seconds:.2f} s")
+                row["jax"].append(seconds)
+                if ref_s is not None:
+                    row["ref"].append(ref_s)
+                    row["rel_diff"] = float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out))
+    finally:
+        if ref is not None:
+            ref.close()
+    for row in rows:
+        row["jax_s"] = float(np.median(row["jax"]))
+        if row["ref"]:
+            ratios = [a / b for a, b in zip(row["jax"], row["ref"])]
+            row.update(ref_s=float(np.median(row["ref"])), threads=ref.threads, ratio=float(np.median(ratios)),
+                       ratio_range=(min(ratios), max(ratios)))
+    t, h, w = SHAPES[name]["latent"]
+    print(f"  {name}: depth {cfg.depth} hidden {cfg.hidden_size} heads {cfg.num_heads}, latents {t}×{h}×{w}, "
+          f"batch {SHAPES[name]['batch']}, caption {cfg.model_max_length}×{cfg.caption_channels}, "
+          f"{args.steps} steps, CFG 7", flush=True)
+    return rows
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv=None):
@@ -150,37 +250,27 @@ def main(argv=None):
     ap.add_argument("--shapes", default="realistic,wide", help="comma-separated: " + ", ".join(SHAPES))
     ap.add_argument("--steps", type=int, default=30, help="sampling steps (Open-Sora's default 30)")
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time RFLOW.sample")
+    ap.add_argument("--repeat", type=int, default=3, help="timed loops of each side, in turns (default 3)")
     ap.add_argument("--cpu-matmul", default="xla", help="XLA:CPU's matmul library (JAXSORA_CPU_MATMUL) to time side "
                     "by side: xla (the default), onednn, or xla,onednn")
     args = ap.parse_args(argv)
-    from jaxsora.parallel import compile_options
-
-    rows = []
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     for name in args.shapes.split(","):
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}; listed: {', '.join(SHAPES)}")
-        cfg, model, inputs = build(name)
-        timed = []
-        for matmul in args.cpu_matmul.split(","):
-            os.environ[compile_options.ENV] = matmul  # read when the sampler's loop is jitted (rflow.programs)
-            out, seconds, first = bench_jax(model, inputs, args.steps)
-            label = name + (" oneDNN" if compile_options.of_default_backend() else "")
-            timed.append((out, dict(shape=label, jax_s=seconds, compile_s=first - seconds)))
-        if args.reference:
-            ref, ref_s, threads = bench_reference(cfg, model, inputs, args.steps, args.reference)
-            for out, row in timed:
-                row.update(ref_s=ref_s, threads=threads, ratio=row["jax_s"] / ref_s,
-                           rel_diff=float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
-        rows += [row for _, row in timed]
-        t, h, w = SHAPES[name]["latent"]
-        print(f"  {name}: depth {cfg.depth} hidden {cfg.hidden_size} heads {cfg.num_heads}, latents {t}×{h}×{w}, "
-              f"batch {SHAPES[name]['batch']}, caption {cfg.model_max_length}×{cfg.caption_channels}, "
-              f"{args.steps} steps, CFG 7", flush=True)
-    print(f"\n{'shape':<17} {'jaxsora s':>10} {'(compile s)':>12} {'Open-Sora s':>12} {'ratio':>6} {'rel diff':>9}")
+    rows = [row for name in args.shapes.split(",") for row in bench_shape(name, args, args.cpu_matmul.split(","))]
+    print(f"\n{'shape':<17} {'jaxsora s':>10} {'(1st call s)':>13} {'Open-Sora s':>12} {'ratio':>6} "
+          f"{'(range)':>12} {'rel diff':>9}")
     for r in rows:
-        ref = (f"{r['ref_s']:>12.2f} {r['ratio']:>6.2f} {r['rel_diff']:>9.1e}" if "ref_s" in r
-               else f"{'-':>12} {'-':>6} {'-':>9}")
-        print(f"{r['shape']:<17} {r['jax_s']:>10.2f} {r['compile_s']:>12.1f} {ref}")
+        if "ref_s" in r:
+            lo, hi = r["ratio_range"]
+            ref = f"{r['ref_s']:>12.2f} {r['ratio']:>6.2f} {f'{lo:.2f}–{hi:.2f}':>12} {r['rel_diff']:>9.1e}"
+        else:
+            ref = f"{'-':>12} {'-':>6} {'-':>12} {'-':>9}"
+        print(f"{r['shape']:<17} {r['jax_s']:>10.2f} {r['first_s']:>13.1f} {ref}")
+    if args.reference:
+        print(f"(medians of {args.repeat} rounds; ratio: per round, jaxsora's time over Open-Sora's in that round)")
     return rows
 
 
