@@ -1,10 +1,10 @@
 """Does the demo learn its prompts? Variants of `configs/demo.py` trained side by side, each judged by
-its samples' pixels (issue #22): the synthetic set, `jaxsora.train`, `jaxsora.sample` on the
+its samples' pixels (docs/demo.md): the synthetic set, `jaxsora.train`, `jaxsora.sample` on the
 held-out captions (prompts.txt) and `data_tools.judge`, as `make demo` chains them, per variant.
 
-    python bench/demo_sweep.py --out /tmp/sweep                       # every variant, 2 at a time
-    python bench/demo_sweep.py --out /tmp/sweep --parallel 8 --train-minutes 5   # on a GPU
-    python bench/demo_sweep.py --out /tmp/sweep --only base,big --steps-scale 0.01 --seeds 1   # a smoke run
+    python bench/demo_sweep.py --output /tmp/sweep                       # every variant, 2 at a time
+    python bench/demo_sweep.py --output /tmp/sweep --parallel 8 --train-minutes 5   # on a GPU
+    python bench/demo_sweep.py --output /tmp/sweep --only base,big --steps-scale 0.01 --seeds 1   # a smoke run
 
 Meant for a machine with a GPU (one process per variant share it: on one H200, 8 variants side by side
 run about 0.14 s a step each, host-bound), but runs anywhere (the demo's 1,200 steps: 9 min on 2 CPU
@@ -24,13 +24,15 @@ import subprocess
 import sys
 import time
 
+from jaxsora.cli import ArgumentParser, hidden_aliases
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 # name -> (synthetic-set flags, config assignments (python, `c` is the demo config), steps).
 # `base` is the demo as `make demo` runs it (shapes start at the centre: motion 43-47/48 on the held-out
 # captions after 1,200 steps, over two data/init seeds). The others change one or two things of the demo on
-# the set it had before, where shapes start anywhere on a wrapping frame (ANYWHERE); issue #22's note of
-# 2026-11-26 gives what each scored there (sampled at guidance 7, the demo's then): all at chance for motion,
+# the set it had before, where shapes start anywhere on a wrapping frame (ANYWHERE); on
+# 2026-11-26 each scored there (sampled at guidance 7, the demo's then): all at chance for motion,
 # the last being the "does it ever" bound.
 ANYWHERE = ["--start", "anywhere", "--travel", "0.8"]  # the set's travel then; a later --travel wins
 BATCH16 = 'c.data.bucket_config = {"demo32": {1: (1.0, 8), 8: (1.0, 16)}}'
@@ -103,8 +105,8 @@ def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str
             _run([python, "-m", "jaxsora.train", "--config", cfg_path, "--data-path", f"{d}/data/meta.csv",
                   "--run-dir", f"{d}/run"], log, env, stop_at)
             t_train = time.time() - t0
-            _run([python, "-m", "jaxsora.sample", "--ckpt", f"{d}/run/checkpoints", "--ema", "--output",
-                  f"{d}/samples", "--prompt-file", f"{d}/data/prompts.txt", "--num-sample", str(seeds),
+            _run([python, "-m", "jaxsora.sample", "--ckpt-path", f"{d}/run/checkpoints", "--ema", "--output",
+                  f"{d}/samples", "--prompt-path", f"{d}/data/prompts.txt", "--num-sample", str(seeds),
                   "--no-progress"], log, env)
             judged = subprocess.run([python, "-m", "data_tools.judge", f"{d}/samples", "--png",
                                      f"{d}/samples.png", "--quiet"], capture_output=True, text=True, env=env,
@@ -126,8 +128,9 @@ def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="a folder for the variants' data, runs and samples")
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hidden_aliases(ap, ap.add_argument("--output", dest="out", required=True,
+                                       help="a folder for the variants' data, runs and samples"), "--out")
     ap.add_argument("--only", help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--parallel", type=int, default=2, help="variants trained at once")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every variant's steps (smoke runs)")

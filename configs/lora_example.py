@@ -6,7 +6,7 @@
 Stage 3's data recipe (buckets up to 1080p, its frame masks), with rank-16 adapters on every
 self- and cross-attention projection of the 56 blocks; the base model stays frozen, so the
 optimizer state and the EMA hold the adapters only (13.4M numbers at XL/2 instead of 1.2B).
-Export with `python -m jaxsora.tools.lora merge --ckpt outputs/<NNN>-lora --out merged/` (a
+Export with `python -m jaxsora.tools.lora merge --ckpt-path outputs/<NNN>-lora --output merged/` (a
 plain jaxsora checkpoint: sampling, `convert to-torch`) or `export-adapters` (peft-style file).
 """
 from configs import stage3

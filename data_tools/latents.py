@@ -1,7 +1,7 @@
 """Encode a table once into a feature cache (`jaxsora.data.features`): each row's VAE latents at
 the size and length of its epoch-0 bucket, and its T5 caption states.
 
-    python -m data_tools.precompute --latents --config configs/stage1.py --out DIR [--config.k=v ...]
+    python -m data_tools.precompute --latents --config configs/stage1.py --output DIR [--config.k=v ...]
 
 The run's own config says everything: the table (`data.table`), buckets, seed and frame interval
 (rows are assigned and cropped by the trainer's code, so the features are what the video loader
@@ -95,7 +95,7 @@ def _prepare_dir(out: str, plan_doc: dict, overwrite: bool) -> None:
         if not overwrite:
             changed = sorted(k for k in set(old) | set(plan_doc) if old.get(k) != plan_doc.get(k))
             raise OutputExists(f"{out} holds features of another setup (changed: {', '.join(changed)}); "
-                               "pass --overwrite to replace them, or choose another --out")
+                               "pass --overwrite to replace them, or choose another --output")
     elif os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise OutputExists(f"{out} exists and is not a feature cache; pass --overwrite to replace it")
     if os.path.isdir(out):

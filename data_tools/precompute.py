@@ -1,11 +1,11 @@
 """Encode a table once: its captions into a text-state cache (`jaxsora.data.cache`), or with
 `--latents` its clips and captions into a feature cache (`jaxsora.data.features`).
 
-    python -m data_tools.precompute --table meta.csv --text-encoder '{"kind": "tiny"}' --out DIR
-    python -m data_tools.precompute --table meta.csv --text-encoder configs/stage1.py \\
-        --out DIR --num-shards 64
-    python -m data_tools.precompute --latents --config configs/stage1.py --out FEATURES \\
-        [--table meta.csv] [--config.group.key=value ...] [--shard-size 256] [--batch-size N]
+    python -m data_tools.precompute --input meta.csv --text-encoder '{"kind": "tiny"}' --output DIR
+    python -m data_tools.precompute --input meta.csv --text-encoder configs/stage1.py \\
+        --output DIR --num-shards 64
+    python -m data_tools.precompute --latents --config configs/stage1.py --output FEATURES \\
+        [--input meta.csv] [--config.group.key=value ...] [--shard-size 256] [--batch-size N]
 
 Feature cache (`--latents`): the training config gives the table, buckets, seed, VAE, text encoder
 and mesh; train from it with `--config.data.features=FEATURES` (see `data_tools/latents.py`).
@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxsora.cli import ArgumentParser, HelpFormatter
+from jaxsora.cli import ArgumentParser, HelpFormatter, hidden_aliases
 from jaxsora.errors import BadInput, MissingFile, OutputExists, UnknownKey
 
 
@@ -81,19 +81,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="a feature cache (VAE latents + text states per clip) from --config, not text states only")
     p.add_argument("--config", default=None, help="with --latents: the training config (.py); "
                    "--config.group.key=value overrides follow it")
-    p.add_argument("--input", "--table", dest="table", default=None, help="CSV or parquet with a caption column "
-                   "(with --latents: replaces the config's data.table)")
+    hidden_aliases(p, p.add_argument("--input", dest="table", default=None, help="CSV or parquet with a caption "
+                                     "column (with --latents: replaces the config's data.table)"), "--table")
     p.add_argument("--text-encoder", default=None, help="JSON, .json or config .py (build_text_encoder config)")
-    p.add_argument("--output", "--out", dest="out", required=True, help="output cache directory")
+    hidden_aliases(p, p.add_argument("--output", dest="out", required=True, help="output cache directory"), "--out")
     p.add_argument("--num-shards", type=int, default=1, help="text states: ArrayRecord shards")
     p.add_argument("--shard-size", type=int, default=256, help="--latents: rows per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=0,
                    help="rows per encoder call (text states: 16 if 0; --latents: the data-parallel size if 0)")
-    p.add_argument("--workers", type=int, default=8, help="--latents: decoding threads")
+    hidden_aliases(p, p.add_argument("--num-workers", dest="workers", type=int, default=8,
+                                     help="--latents: decoding threads"), "--workers")
     p.add_argument("--text-column", default="text")
     p.add_argument("--store-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 for a bf16 encoder, else float32")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing cache in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing cache in --output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args, rest = p.parse_known_args(argv)
     if args.latents:
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     if not args.table or not args.text_encoder:
-        p.error("--table and --text-encoder are required (or --latents --config FILE)")
+        p.error("--input and --text-encoder are required (or --latents --config FILE)")
 
     from jaxsora.data.cache import MANIFEST, write_cache
     from jaxsora.models.t5 import build_text_encoder
@@ -143,10 +144,10 @@ def _latents(args, overrides: list[str]) -> dict | None:
         with config.unlocked():
             config.data.table = args.table
     if not config.data.get("table"):
-        raise BadInput("no table: set data.table in the config or pass --table")
+        raise BadInput("no table: set data.table in the config or pass --input")
     from jaxsora.config import need_table
 
-    need_table(config.data.table, "data.table (--table)")
+    need_table(config.data.table, "data.table (--input)")
     manifest = precompute_features(config, args.out, shard_size=args.shard_size, batch_size=args.batch_size,
                                    store_dtype=args.store_dtype, workers=args.workers, overwrite=args.overwrite,
                                    progress=not args.no_progress)

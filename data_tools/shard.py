@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from data_tools import stream
+from jaxsora.cli import hidden_aliases
 from jaxsora.errors import BadInput, OutputExists
 
 PROG = "shard"
@@ -27,9 +28,9 @@ def main(argv=None) -> int:
     ap = stream.parser(PROG, __doc__)
     ap.add_argument("--input", required=True, help="table: CSV/parquet file, folder or glob of shards")
     ap.add_argument("--num-shards", type=int, required=True, help="how many shards to write")
-    ap.add_argument("--output", "--out-dir", dest="output", metavar="DIR", default=None,
-                    help="folder for the shards, made if missing (default: beside the input: a table file's "
-                         "folder, a folder's parent, a glob's folder)")
+    hidden_aliases(ap, ap.add_argument(
+        "--output", metavar="DIR", default=None, help="folder for the shards, made if missing (default: beside the "
+        "input: a table file's folder, a folder's parent, a glob's folder)"), "--out-dir")
     args = stream.parse_args(ap, argv)
     return stream.run(PROG, lambda: _shard(args), argv)
 

@@ -1,6 +1,6 @@
 """`python -m jaxsora.ckpt list|verify DIR`: check training checkpoints without a model config.
 
-DIR (or `--ckpt DIR`) is a run's outputs folder, its `checkpoints/` folder or one step folder
+DIR (or `--ckpt-path DIR`) is a run's outputs folder, its `checkpoints/` folder or one step folder
 `checkpoints/N`.
 Every array of each checkpoint is read on the host (numpy, no accelerator) and its fingerprint is
 compared with the step's `integrity.json` (see `jaxsora.checkpoint`).
@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 
-from jaxsora.cli import ArgumentParser
+from jaxsora.cli import ArgumentParser, hidden_aliases
 from jaxsora.cli import HelpFormatter as _Help
 
 # The checks run on the host: never take an accelerator (a training job may hold it).
@@ -88,14 +88,15 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=text, description=text, formatter_class=_Help)
         p.add_argument("dir", nargs="?", metavar="DIR",
                        help="run outputs folder, its checkpoints/ folder, or a step folder checkpoints/N")
-        p.add_argument("--ckpt", dest="ckpt_opt", metavar="DIR", help="the same as DIR")
+        hidden_aliases(p, p.add_argument("--ckpt-path", dest="ckpt_opt", metavar="DIR", help="the same as DIR"),
+                       "--ckpt")
         p.add_argument("--step", type=int, default=None, help="only this step (default: every step)")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks instead of one-line errors")
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
     if args.dir and args.ckpt_opt and os.path.normpath(args.dir) != os.path.normpath(args.ckpt_opt):
-        raise BadInput(f"two checkpoints given ({args.dir} and --ckpt {args.ckpt_opt})")
+        raise BadInput(f"two checkpoints given ({args.dir} and --ckpt-path {args.ckpt_opt})")
     args.dir = args.dir or args.ckpt_opt
     if not args.dir:
         raise BadInput(f"give a checkpoint folder: python -m jaxsora.ckpt {args.cmd} DIR")

@@ -45,6 +45,38 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         fail(self.prog.removeprefix("python -m ").split()[0], f"{message} (see --help)")  # a subcommand: its command
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's parse, then the required flags that have hidden aliases (`hidden_aliases`): argparse
+        cannot require "one of these spellings", so they are checked here, with argparse's own message."""
+        namespace, rest = super().parse_known_args(args, namespace)
+        missing = [a.option_strings[0] for a in self._actions
+                   if getattr(a, "required_with_aliases", False) and getattr(namespace, a.dest, None) is None]
+        if missing:
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        return namespace, rest
+
+
+def hidden_aliases(container, action: argparse.Action, *names: str) -> argparse.Action:
+    """Older spellings of `action`'s flag (`--out` for `--output`, `--ckpt` for `--ckpt-path`): they set the
+    same value and keep working, and `--help` lists only the canonical name. `container` is the parser or
+    argument group `action` was added to; a required `action` stays required under any of its spellings
+    (checked by `ArgumentParser.parse_known_args`, so the parser must be of that class)."""
+    kwargs = dict(dest=action.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    if isinstance(action, (argparse._StoreAction, argparse._AppendAction, argparse._ExtendAction)):
+        kwargs.update(nargs=action.nargs, type=action.type, choices=action.choices, metavar=action.metavar)
+        kwargs["action"] = {argparse._StoreAction: "store", argparse._AppendAction: "append",
+                            argparse._ExtendAction: "extend"}[type(action)]
+    elif isinstance(action, argparse._StoreTrueAction):
+        kwargs["action"] = "store_true"
+    else:
+        raise TypeError(f"hidden_aliases: unsupported action {type(action).__name__} of {action.option_strings}")
+    for name in names:
+        container.add_argument(name, **kwargs)
+    if action.required:
+        action.required = False
+        action.required_with_aliases = True
+    return action
+
 
 def register_configs_package(path):
     """Config files import their base as `from configs import base`: make `configs` the package
@@ -130,6 +162,8 @@ def _print_help(prog: str, define_flags: Callable[[], None], dashed: Sequence[st
             ("--debug", "show tracebacks for user errors too (also JAXSORA_DEBUG=1)")]
     for name in [n for n in flags.FLAGS if n not in before]:
         flag = flags.FLAGS[name]
+        if flag.help.startswith("Alias for --"):  # an older spelling (absl's DEFINE_alias): it works, unlisted
+            continue
         spelled = "--" + name.replace("_", "-")
         rows.append((spelled if spelled in dashed else "--" + name,
                      flag.help + ("" if flag.default in (None, False) else f" (default: {flag.default})")))

@@ -8,7 +8,7 @@ wandb run (the run id stored in the checkpoint, resumed) as `eval_<preset>/<i>` 
 metric `eval_<preset>_step` = the checkpoint's step — the Lambda speed run's inference server.
 
 A run is a folder (`outputs/656-stdit3-xl2`) or an experiment number (`656`: the folder
-`<outputs>/656-*`, or `<outputs>/656`). Presets (the Lambda server's, spec §8.4):
+`<outputs>/656-*`, or `<outputs>/656`). Presets (the Lambda server's, `scripts/inference-server.py`):
 
     low4s    360p  9:16  4s (102 frames)   batch 8
     high4s   720p  9:16  4s (102 frames)   batch 2
@@ -37,13 +37,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from jaxsora.cli import ArgumentParser
+from jaxsora.cli import ArgumentParser, hidden_aliases
 from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.errors import BadInput, MissingFile, run_cli
 from jaxsora.runs import find_run
 
 PROG = "jaxsora.serve"
-# Lambda speed run scripts/inference-server.py (spec §8.4): resolution × duration × batch size.
+# Lambda speed run scripts/inference-server.py: resolution × duration × batch size.
 PRESETS = {
     "low4s": dict(resolution="360p", aspect_ratio="9:16", num_frames="4s", batch_size=8),
     "high4s": dict(resolution="720p", aspect_ratio="9:16", num_frames="4s", batch_size=2),
@@ -323,7 +323,8 @@ def _pass_line(run, number, seen, sampled, before, waiting, skipped) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m jaxsora.serve", description=__doc__, formatter_class=_Help)
     ap.add_argument("--preset", required=True, help=f"sampling preset: {', '.join(PRESETS)} or one of --presets-file")
-    ap.add_argument("--runs", "--expnums", nargs="+", required=True, help="run folders or experiment numbers")
+    hidden_aliases(ap, ap.add_argument("--runs", nargs="+", required=True, help="run folders or experiment numbers"),
+                   "--expnums")  # the Lambda server's name
     ap.add_argument("--outputs", default="outputs", help="where experiment numbers are looked up (default: outputs)")
     ap.add_argument("--prompt-path", help="validation prompts, one a line (default: two built-in prompts)")
     ap.add_argument("--no-ema", action="store_true",

@@ -1,4 +1,4 @@
-"""`python -m jaxsora.tools.average CKPT [CKPT ...] --out DIR [--steps 400,500,600] [--weights 0.2,0.3,0.5]
+"""`python -m jaxsora.tools.average CKPT [CKPT ...] --output DIR [--steps 400,500,600] [--weights 0.2,0.3,0.5]
 [--ema]`: the (weighted) mean of the weights of several checkpoints, written as a weights-only
 checkpoint `DIR/<step>/` that sampling, `convert to-torch`, `--ckpt-path` and `ckpt verify` read.
 
@@ -51,7 +51,7 @@ from typing import Any
 # Host work only: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxsora.cli import ArgumentParser  # noqa: E402
+from jaxsora.cli import ArgumentParser, hidden_aliases  # noqa: E402
 from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
 from jaxsora.tools.lazy_save import LazyArray, save_item  # noqa: E402
 
@@ -171,16 +171,16 @@ def check_output(out: str, inputs: Sequence[str], overwrite: bool) -> None:
 
     for d in inputs:
         if _inside(d, out) or _inside(out, d):
-            raise BadInput(f"--out {out} would hold or be inside the input {d}: choose another folder")
+            raise BadInput(f"--output {out} would hold or be inside the input {d}: choose another folder")
     if not os.path.exists(out):
         return
     if not os.path.isdir(out):
-        raise OutputExists(f"--out {out} exists and is not a folder")
+        raise OutputExists(f"--output {out} exists and is not a folder")
     entries = sorted(os.listdir(out))
     if not entries:
         return
     if not overwrite:
-        raise OutputExists(f"--out {out} exists and is not empty: pass --overwrite to replace it")
+        raise OutputExists(f"--output {out} exists and is not empty: pass --overwrite to replace it")
     for e in entries:
         path = os.path.join(out, e)
         if ck.TMP_SUFFIX in e and e.split(".", 1)[0].isdigit() and os.path.isdir(path):
@@ -614,8 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog="exit status: 0 written, 2 a usage mistake or an unusable input")
     ap.add_argument("ckpt", nargs="+",
                     help="step folders (…/checkpoints/600), or run / checkpoints folders with --steps")
-    ap.add_argument("--output", "--out", dest="out", required=True,
-                    help="output folder: the average is written to OUT/<step>/")
+    hidden_aliases(ap, ap.add_argument("--output", dest="out", metavar="OUT", required=True,
+                                       help="output folder: the average is written to OUT/<step>/"), "--out")
     ap.add_argument("--steps", default=None, help="steps of each run / checkpoints folder, e.g. 400,500,600")
     ap.add_argument("--weights", default=None,
                     help="one non-negative weight per checkpoint, e.g. 0.2,0.3,0.5 (normalized; default uniform)")

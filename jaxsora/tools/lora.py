@@ -1,4 +1,4 @@
-"""`python -m jaxsora.tools.lora {merge,export-adapters} --ckpt CKPT --output OUT [--step N] [--ema]
+"""`python -m jaxsora.tools.lora {merge,export-adapters} --ckpt-path CKPT --output OUT [--step N] [--ema]
 [--dtype fp32|bf16]`: the results of a LoRA run (`lora.rank` > 0) as files other tools read.
 
 CKPT is a run folder, its `checkpoints/` folder or one step folder (`--step N` picks a step of the
@@ -20,8 +20,8 @@ export-adapters   the adapters alone. OUT a folder: peft's own adapter folder
                   `spatial_blocks.0.attn.qkv`), for peft's `inject_adapter_in_model`; the safetensors
                   metadata records rank, alpha, scale, the target patterns and the adapted modules.
 
-OUT (`--output`, or its older spelling `--out`) must not exist (a folder may exist empty). Host
-only (no accelerator is taken); the checkpoint's arrays are checked against its integrity record
+OUT (`--output`; the older `--out` and `--ckpt` still work) must not exist (a folder may exist empty).
+Host only (no accelerator is taken); the checkpoint's arrays are checked against its integrity record
 when it has one. A mistake is one line on stderr and exit code 2.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 # Host work only: never take an accelerator (a training job may hold it).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxsora.cli import ArgumentParser  # noqa: E402
+from jaxsora.cli import ArgumentParser, hidden_aliases  # noqa: E402
 from jaxsora.cli import HelpFormatter as _Help  # noqa: E402
 from jaxsora.errors import BadInput, OutputExists, run_cli  # noqa: E402
 
@@ -51,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                         ("export-adapters", "the adapters alone: OUT a folder is peft's adapter folder "
                                             "(PeftModel.from_pretrained), OUT.safetensors the bare tensors")):
         p = sub.add_parser(name, help=help_, description=help_, formatter_class=_Help)
-        p.add_argument("--ckpt", required=True, help="a LoRA run folder, its checkpoints/ folder or one step folder")
-        p.add_argument("--output", "--out", dest="out", metavar="OUT", required=True,
-                       help=("OUT folder (jaxsora checkpoint) or OUT.safetensors/.pth" if name == "merge"
-                             else "OUT.safetensors (or .pth)"))
+        hidden_aliases(p, p.add_argument("--ckpt-path", dest="ckpt", required=True, help="a LoRA run folder, "
+                                         "its checkpoints/ folder or one step folder"), "--ckpt")
+        hidden_aliases(p, p.add_argument("--output", dest="out", metavar="OUT", required=True,
+                                         help=("OUT folder (jaxsora checkpoint) or OUT.safetensors/.pth"
+                                               if name == "merge" else "OUT.safetensors (or .pth)")), "--out")
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
         p.add_argument("--ema", action="store_true", help="use the EMA of the adapters")
         p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",

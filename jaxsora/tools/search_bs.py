@@ -12,7 +12,7 @@ config; the output JSON is a `data.bucket_config` — train with
 
 The device memory is the device's own, or `--config.train.device_memory_gib` (e.g. 80 to plan for
 an H100 from a CPU machine with `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
-`--out` is an alias of `--output`; `--no-progress` hides the progress bar.
+`--no-progress` hides the progress bar.
 """
 from __future__ import annotations
 
