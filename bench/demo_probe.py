@@ -1,5 +1,5 @@
 """What does a trained demo model use? Its velocity error on its own training clips, per noise level,
-with the inputs changed one at a time (issue #22):
+with the inputs changed one at a time (docs/demo.md):
 
     python bench/demo_probe.py outputs/demo/checkpoints outputs/demo/data [--clips 32]
 

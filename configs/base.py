@@ -1,4 +1,4 @@
-"""Base config: Open-Sora 1.2 settings shared by every stage (spec §7.1).
+"""Base config: Open-Sora 1.2 settings shared by every stage (Open-Sora's `configs/opensora-v1-2/train/`).
 
 Stages import this module and change what differs. Every value can be overridden on the command
 line: `python -m jaxsora.train --config configs/stage1.py --config.optim.lr=2e-4`.
@@ -9,7 +9,7 @@ from jaxsora.data.text_length import DEFAULT_LENGTHS as TEXT_LENGTHS
 from jaxsora.models.text_defaults import TINY_DEFAULTS
 
 # Open-Sora 1.2 stage 1 bucket_config: {resolution: {num_frames: (keep_prob, per-device batch)}};
-# a tuple keep_prob is (p_res, p_frames) (spec §4.4, §7.2).
+# a tuple keep_prob is (p_res, p_frames) (docs/data.md#buckets).
 STAGE1_BUCKETS = {
     "144p": {1: (1.0, 475), 51: (1.0, 51), 102: ((1.0, 0.33), 27), 204: ((1.0, 0.1), 13), 408: ((1.0, 0.1), 6)},
     "256": {1: (0.4, 297), 51: (0.5, 20), 102: ((0.5, 0.33), 10), 204: ((0.5, 0.1), 5), 408: ((0.5, 0.1), 2)},
@@ -122,7 +122,7 @@ def get_config():
         peak_flops=0.0,                 # > 0: peak FLOP/s per device for the logged MFU (0: H100/H200/A100 table;
                                         # unknown devices and CPU log no MFU)
     ))
-    # Validation loss on a held-out table (Open-Sora 1.2 eval/loss/eval_loss.py, spec §2.3): fixed timesteps,
+    # Validation loss on a held-out table (Open-Sora 1.2 eval/loss/eval_loss.py): fixed timesteps,
     # fixed noise, per (resolution, num_frames) bucket; see jaxsora/train/eval/loss.py. Off while table is "".
     c.eval = mlc.ConfigDict(dict(
         table="",                       # held-out CSV/parquet table ("": no eval)

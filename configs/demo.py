@@ -6,7 +6,7 @@ buckets, checkpoints) is the stage-1 machinery. `make demo` then samples the cap
 twelve (colour, shape, direction) combinations the set never shows and judges the videos by their
 pixels (`python -m data_tools.judge`).
 
-What differs from a stage config, and why (each measured on the demo set, see issue #22's note):
+What differs from a stage config, and why (each measured on the demo set; docs/demo.md):
 - `model.input_sq_size=32`: the 2D position embedding scales positions by sqrt(H·W)/input_sq_size;
   at 32×32 pixels the reference's 512 spaces neighbouring tokens 16 units apart, where most of the
   sin/cos frequencies alias. 32 gives them the spacing a 512-pixel model has at 512 pixels.
@@ -22,7 +22,7 @@ What differs from a stage config, and why (each measured on the demo set, see is
 The set is what makes the direction learnable in that budget (data_tools/synthetic.py, START): every
 clip's shape starts near the centre, so its first frame says nothing of where it goes, while where it is
 over the clip follows the direction word. On the wrapping set (shapes start anywhere) the same model never
-took the direction from the word (motion at chance after 2,000-3,000 steps, issue #22).
+took the direction from the word (motion at chance after 2,000-3,000 steps; docs/demo.md).
 """
 from configs import base
 
@@ -48,7 +48,7 @@ def get_config():
     # The synthetic captions carry no aesthetic/motion scores, so sampling appends none (Open-Sora
     # appends " aesthetic score: 6.5." by default).
     # Guidance 4 instead of 7: on three demo models (fp32 twice, bf16) the held-out captions' motion judged
-    # 37-45/48 at 7 (most misses a shape that sits on its word's side without moving), 44-48/48 at 3-5 (#22).
+    # 37-45/48 at 7 (most misses a shape that sits on its word's side without moving), 44-48/48 at 3-5.
     c.sample.update(dict(num_frames=8, height=32, width=32, fps=8, aes=None, flow=None, cfg_scale=4.0))
     # The eval, once a held-out table is given (--config.eval.table=...): at every checkpoint, small batches.
     c.eval.update(dict(every=400, decode_threads=1))

@@ -1,4 +1,5 @@
-"""Open-Sora 1.2 stage 1 (spec §7.2): 144p–360p video + images, lr 1e-4, warmup 1000, masks 0.80 identity."""
+"""Open-Sora 1.2 stage 1 (upstream train/stage1.py): 144p–360p video + images, lr 1e-4, warmup 1000,
+masks 0.80 identity."""
 from configs import base
 
 

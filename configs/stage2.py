@@ -1,4 +1,4 @@
-"""Open-Sora 1.2 stage 2 (spec §7.2): up to 480p/720p; **no warmup and no lr scheduler**."""
+"""Open-Sora 1.2 stage 2 (upstream train/stage2.py): up to 480p/720p; **no warmup and no lr scheduler**."""
 from configs import base
 
 STAGE2_BUCKETS = {

@@ -1,4 +1,4 @@
-"""Open-Sora 1.2 stage 3 (spec §7.2): high resolution (720p/1080p), warmup 1000."""
+"""Open-Sora 1.2 stage 3 (upstream train/stage3.py): high resolution (720p/1080p), warmup 1000."""
 from configs import base
 
 STAGE3_BUCKETS = {

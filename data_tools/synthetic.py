@@ -48,7 +48,7 @@ HELD_OUT = tuple((list(COLORS)[i % 6], SHAPES[i % 3], list(DIRECTIONS)[i % 4]) f
 TRAVEL = 0.6
 # The shape's radius, as a fraction of the frame's short side.
 RADIUS = 0.2
-# Where a clip's shape starts (issue #22 measured what a demo model learns from each):
+# Where a clip's shape starts (docs/demo.md: what a demo model learns from each):
 # - "centre": within START_JITTER of the frame's centre on both axes, moving outward the way its caption
 #   says. A first frame says nothing of the direction, yet where the shape is over the clip (right of
 #   the centre for "right") follows the word: a demo model learns the direction word (`make demo`:

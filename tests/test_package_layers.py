@@ -1,4 +1,4 @@
-"""The package's import structure (issues #15, #25): no import cycle between jaxsora's modules, function-
+"""The package's import structure: no import cycle between jaxsora's modules, function-
 level imports included; no import from a lower layer (checkpoint, data, diffusion, parallel, models, io)
 up to a higher one (train, sample, serve, infer, config, tools); the checkpoint package stands on the
 floor (errors, io, parallel, lazy_imports); and nothing that samples, converts or manages checkpoints
@@ -107,7 +107,7 @@ def test_sampling_and_checkpoint_tools_import_nothing_of_train():
     assert not bad, bad
 
 
-# train/ by concern (#25): the run and its supervision, the step and its state, the eval, the plan.
+# train/ by concern: the run and its supervision, the step and its state, the eval, the plan.
 TRAIN_ROOMS = ("run", "step", "eval", "plan")
 TRAIN_TOP = ("__init__", "__main__", "build", "contracts")
 MAX_LINES = 400

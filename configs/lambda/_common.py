@@ -1,4 +1,4 @@
-"""LambdaLabs speed-run settings common to stages 1–7 (spec §7.3): weight decay 0.01, wandb on
+"""LambdaLabs speed-run settings common to stages 1–7 (the Lambda fork's configs): weight decay 0.01, wandb on
 (project sora_speedrun), checkpoints every 100 steps, outputs in outputs_speedrun."""
 
 

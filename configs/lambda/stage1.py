@@ -1,5 +1,5 @@
-"""Lambda speed run stage 1 (spec §7.3): official stage-1 buckets/masks, lr 1.6e-4, LinearWarmup 400, wd 0.01.
-Init: --ckpt-path pretrained_models/PixArt-Sigma-XL-2-2K-MS.pth"""
+"""Lambda speed run stage 1 (Lambda's lambda/stage1.py): official stage-1 buckets/masks, lr 1.6e-4, LinearWarmup 400,
+wd 0.01. Init: --ckpt-path pretrained_models/PixArt-Sigma-XL-2-2K-MS.pth"""
 import importlib
 
 from configs import stage1 as official

@@ -1,4 +1,4 @@
-"""Lambda stage 2 (spec §7.3): official stage-2 buckets/masks, lr 1.6e-4, LinearWarmup 400 (unlike the
+"""Lambda stage 2 (Lambda's lambda/stage2.py): official stage-2 buckets/masks, lr 1.6e-4, LinearWarmup 400 (unlike the
 official stage 2, which has no scheduler), wd 0.01. Init: --ckpt-path <stage-1 final checkpoint>"""
 import importlib
 

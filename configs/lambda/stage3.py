@@ -1,5 +1,5 @@
-"""Lambda stage 3 (spec §7.3): official stage-3 buckets/masks, lr 2e-4, LinearWarmup 1000 (the config's value;
-the tutorial says 400 was used generally), wd 0.01. Init: --ckpt-path <stage-2 final checkpoint>"""
+"""Lambda stage 3 (Lambda's lambda/stage3.py): official stage-3 buckets/masks, lr 2e-4, LinearWarmup 1000
+(the config's value; the tutorial says 400 was used generally), wd 0.01. Init: --ckpt-path <stage-2 final checkpoint>"""
 import importlib
 
 from configs import stage3 as official

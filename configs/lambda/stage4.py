@@ -1,4 +1,4 @@
-"""Lambda stage 4 (spec §7.3): stage-1 buckets, no masking, one-cycle cos 1.6e-5 → 6.4e-4 (400 steps)
+"""Lambda stage 4 (Lambda's lambda/stage4.py): stage-1 buckets, no masking, one-cycle cos 1.6e-5 → 6.4e-4 (400 steps)
 → 1.6e-4 (400 steps), then constant. Init: --ckpt-path <stage-3 final checkpoint>"""
 import importlib
 

@@ -1,4 +1,5 @@
-"""Lambda stage 5 (spec §7.3): stage-2 buckets, no masking, one-cycle as stage 4. Init: --ckpt-path <stage-4 ckpt>"""
+"""Lambda stage 5 (Lambda's lambda/stage5.py): stage-2 buckets, no masking, one-cycle as stage 4.
+Init: --ckpt-path <stage-4 ckpt>"""
 import importlib
 
 from configs import stage2 as official

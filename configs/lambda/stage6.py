@@ -1,4 +1,4 @@
-"""Lambda stage 6 (spec §7.3): stage-3 buckets, no masking, one-cycle 1.6e-5 → 3.2e-4 → 0.8e-4.
+"""Lambda stage 6 (Lambda's lambda/stage6.py): stage-3 buckets, no masking, one-cycle 1.6e-5 → 3.2e-4 → 0.8e-4.
 Init: --ckpt-path <stage-5 ckpt>"""
 import importlib
 

@@ -1,4 +1,4 @@
-"""Lambda stage 7 (spec §7.3). Its config was never published; the tutorial says stage 7 used "the same
+"""Lambda stage 7. Its config was never published; the tutorial says stage 7 used "the same
 config as Stage 6", started with --ckpt-path (so the one-cycle warm-up runs again). This is stage 6
 under its own experiment name. Init: --ckpt-path <stage-6 checkpoint>"""
 import importlib

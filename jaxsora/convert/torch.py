@@ -172,7 +172,7 @@ def is_pixart(sd: dict[str, np.ndarray]) -> bool:
 
 
 def reparameterize(sd: dict, model_max_length: int) -> dict:
-    """What the reference's `load_checkpoint` does before loading (spec §1.11):
+    """What the reference's `load_checkpoint` does before loading (`opensora/utils/ckpt_utils.py`):
 
     PixArt-Σ: `blocks.i.*` → `spatial_blocks.i.*`; a 4-D `x_embedder.proj.weight` gets a time axis;
     every file: `pos_embed`/`pos_embed_temporal` dropped; `y_embedder.y_embedding` padded by

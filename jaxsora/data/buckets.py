@@ -1,4 +1,4 @@
-"""Bucket assignment with Open-Sora 1.2's semantics (`opensora/datasets/bucket.py`, spec §4.4).
+"""Bucket assignment with Open-Sora 1.2's semantics (`opensora/datasets/bucket.py`).
 
 `bucket_config = {res_name: {num_frames: (keep_prob, batch_size)}}`; keep_prob is a float p or a
 tuple (p_res, p_frames); `(0.0, None)` means "never here". For a sample (T, H, W) from the table,

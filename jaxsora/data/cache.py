@@ -1,7 +1,7 @@
 """Pre-computed text-encoder states (T5 caption states) in ArrayRecord shards.
 
-Open-Sora 1.2 runs the frozen T5-v1.1-XXL encoder on every caption of every step (spec §3.2,
-§6). The encoder has ≈4.76B parameters, so one caption of 300 tokens costs ≈ 2 × 4.76e9 × 300
+Open-Sora 1.2 runs the frozen T5-v1.1-XXL encoder on every caption of every step
+(`scripts/train.py`). The encoder has ≈4.76B parameters, so one caption of 300 tokens costs ≈ 2 × 4.76e9 × 300
 ≈ 2.8 TFLOP (≈ 5–10 ms of an H100 in bf16) and its bf16 weights take ≈ 9.5 GB of device
 memory beside STDiT3. Reading the cached states instead costs len × 4096 × 2 bytes (bf16): ≈ 0.4 MB for
 a 50-token caption, 2.4 MB for a full 300-token one.

@@ -1,5 +1,5 @@
 """Dataset tables: CSV or parquet with `path,text,num_frames,height,width,aspect_ratio,resolution,fps`
-(spec §4.1). Relative paths resolve against the table's folder. A table may also be a folder or
+(Open-Sora 1.2's columns). Relative paths resolve against the table's folder. A table may also be a folder or
 a glob of shards (`meta_*.csv`), read in name order; row ids run across shards.
 
 Beyond the local disk: a row's path may be an fsspec URL (``s3://``, ``gs://``, ``memory://``, …; read

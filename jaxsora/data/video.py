@@ -1,4 +1,5 @@
-"""Decoding one sample with PyAV / PIL into the bucket's shape (spec §4.2).
+"""Decoding one sample with PyAV / PIL into the bucket's shape (Open-Sora 1.2's
+`VariableVideoTextDataset.getitem`).
 
 Videos: one container per sample, opened and closed in a `with` block (containers left to the
 garbage collector froze the reference's training). Temporal crop: span = T·frame_interval, begin

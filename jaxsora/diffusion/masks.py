@@ -1,4 +1,4 @@
-"""Frame-conditioning masks for training (Open-Sora 1.2 `MaskGenerator`, spec §5).
+"""Frame-conditioning masks for training (Open-Sora 1.2's `MaskGenerator`, `opensora/utils/train_utils.py`).
 
 A mask is [T] bool over *latent* frames: True = a normal noised frame, False = a clean condition
 frame (image-to-video, extension, interpolation). One mask type is drawn per sample with the

@@ -1,4 +1,4 @@
-"""Rectified flow as Open-Sora 1.2 trains and samples it (spec §2), as pure jit-friendly functions.
+"""Rectified flow as Open-Sora 1.2 trains and samples it (`opensora/schedulers/rf/`), as pure jit-friendly functions.
 
 Convention: t ∈ [0, 1000]; t = 1000 is pure noise, t = 0 is data. With τ = t/1000,
 x_t = (1 − τ)·x₀ + τ·ε, and the model predicts the velocity v = x₀ − ε (channels 0..C−1 of
@@ -60,7 +60,8 @@ def latent_frames_for_shift(num_frames):
 
 
 def timestep_transform(t, height, width, num_frames, scale: float = 1.0, num_timesteps: int = NUM_TIMESTEPS):
-    """The resolution- and length-aware shift (SD3 §5.3.2 extended to video), spec §2.1.
+    """The resolution- and length-aware shift (SD3 §5.3.2 extended to video), as Open-Sora 1.2's
+    `timestep_transform` (`opensora/schedulers/rf/rectified_flow.py`).
 
     t: [B] on 0..num_timesteps; height/width: [B] (or scalars) pixel sizes; num_frames: [B] (or a
     scalar) pixel frame counts. As in the reference, sample 0 decides "image batch"
@@ -98,8 +99,8 @@ def sample_t(key, batch: int, *, sample_method: str = "logit-normal", loc: float
 
 
 def eval_timesteps(num_eval_timesteps: int = NUM_EVAL_TIMESTEPS) -> np.ndarray:
-    """Eval-loss timesteps (spec §2.3): the interior points of linspace(0, 1000, n + 2), float32
-    [n] (83.3 … 916.7 for n = 10). No logit-normal draw and no shift."""
+    """Eval-loss timesteps (Open-Sora 1.2's `eval/loss/eval_loss.py`): the interior points of
+    linspace(0, 1000, n + 2), float32 [n] (83.3 … 916.7 for n = 10). No logit-normal draw and no shift."""
     return np.linspace(0, NUM_TIMESTEPS, num_eval_timesteps + 2, dtype=np.float32)[1:-1]
 
 
@@ -167,7 +168,7 @@ def training_loss(model_fn: ModelFn, x0, cond: dict, key, *, x_mask=None, height
 
 def eval_loss(model_fn: ModelFn, x0, cond: dict, key, *, x_mask=None,
               num_eval_timesteps: int = NUM_EVAL_TIMESTEPS):
-    """Eval loss (spec §2.3, eval/loss/eval_loss.py): per-sample loss at each of the fixed
+    """Eval loss (Open-Sora 1.2's eval/loss/eval_loss.py): per-sample loss at each of the fixed
     `eval_timesteps(n)`, fresh noise per timestep (from `fold_in(key, i)`). Returns [n, B];
     the reference's bucket figure is `mean over samples, then over the n timesteps`."""
     ts = jnp.asarray(eval_timesteps(num_eval_timesteps))
@@ -348,7 +349,7 @@ def _programs(options: tuple) -> types.SimpleNamespace:
 def sample(model_fn: ModelFn, z, cond: dict, null_y, *, key, num_sampling_steps: int = DEFAULT_SAMPLING_STEPS,
            cfg_scale: float = DEFAULT_CFG_SCALE, height, width, num_frames, mask=None, x_cond=None,
            use_timestep_transform: bool = True, progress: bool = True, step_noise=None):
-    """Classifier-free-guided Euler sampling (RFLOW.sample, spec §2.4) → z [B, C, T, H, W] float32.
+    """Classifier-free-guided Euler sampling (Open-Sora 1.2's `RFLOW.sample`) → z [B, C, T, H, W] float32.
 
     model_fn: `model_fn(x, t, **kwargs)` → [2B, ≥C, T, H, W], or an `nnx.Module` with that call
         (its parameters are arguments of the compiled loop, cached per graph). A plain callable is

@@ -1,4 +1,4 @@
-"""Sampling with a jaxsora checkpoint: Open-Sora 1.2's inference (spec §2.4, §8) as a Python API.
+"""Sampling with a jaxsora checkpoint: Open-Sora 1.2's inference (`scripts/inference.py`) as a Python API.
 
     from jaxsora.infer import Pipeline, SampleSettings, write_samples
     pipe = Pipeline.load("outputs/demo", ema=True)                  # run folder / checkpoints / step / converted

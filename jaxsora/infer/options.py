@@ -1,5 +1,5 @@
 """Open-Sora 1.2's inference options as plain Python (no JAX): settings, sizes, durations, prompts
-and mask strategies (spec §2.4, §4.3, §8; `scripts/inference.py`, `opensora/utils/inference_utils.py`
+and mask strategies (`scripts/inference.py`, `opensora/utils/inference_utils.py`
 and `opensora/datasets/aspect.py` at ee909a7).
 
 Everything here is what the reference does, with its names; where a user mistake would crash the
@@ -27,7 +27,8 @@ MASK_DEFAULT = ("0", "0", "0", "0", "1", "0")
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class SampleSettings:
-    """What to sample; defaults are Open-Sora 1.2's inference config (spec §8.1).
+    """What to sample; defaults are Open-Sora 1.2's inference config
+    (`configs/opensora-v1-2/inference/sample.py`).
 
     resolution/aspect_ratio: Open-Sora names ("240p", "9:16" or a raw H/W key "0.56"), used unless
         image_size = (H, W) is given. num_frames: a count or a duration name ("2s" = 51, "4s" = 102,
@@ -276,7 +277,7 @@ def extract_json(prompt: str) -> tuple[str, dict]:
 
 
 def prepare_prompt(text: str, aes=None, flow=None, camera_motion=None) -> str:
-    """The text the encoder gets (steps 0, 2, 4 of spec §8.2: split loops, append scores, merge).
+    """The text the encoder gets (as `scripts/inference.py`: split loops, append scores, merge).
     Open-Sora also cleans and lower-cases it (T5's `text_preprocessing`); jaxsora does not, as its
     training captions are not cleaned either."""
     texts, loops = split_prompt(text)

@@ -1,5 +1,5 @@
 """`Pipeline`: a jaxsora checkpoint + VAE + text encoder on a mesh → videos (Open-Sora 1.2's
-`scripts/inference.py`, spec §2.4 and §8).
+`scripts/inference.py`).
 
     pipe = Pipeline.load("outputs/run", step=None, ema=True, vae=None, text_encoder=None)
     videos = pipe.generate(["a red circle moving right"], SampleSettings(image_size=(32, 32), num_frames=8))

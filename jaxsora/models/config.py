@@ -39,7 +39,7 @@ class STDiT3Config:
     scan_blocks: bool = False
     attention_impl: str = "auto"  # "auto" | "xla" | "cudnn"
     sequence_parallel_axis: str | None = None  # mesh axis for Ulysses spatial attention
-    # The reference modulates x_mask == False frames twice in the final layer (spec §1.5). Keep
+    # The reference modulates x_mask == False frames twice in the final layer (T2IFinalLayer). Keep
     # False to load/export Open-Sora checkpoints; True computes the intended single modulation.
     fix_final_layer_double_mod: bool = False
 

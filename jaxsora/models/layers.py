@@ -38,7 +38,7 @@ class Buffer(nnx.Variable):
 
 
 # --------------------------------------------------------------------------------------------
-# initializers (spec §1.9)
+# initializers (STDiT3.initialize_weights)
 # --------------------------------------------------------------------------------------------
 xavier_uniform = jax.nn.initializers.xavier_uniform()
 zeros = jax.nn.initializers.zeros

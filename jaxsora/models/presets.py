@@ -1,7 +1,7 @@
 """Named STDiT3 configurations.
 
-"STDiT3-XL/2" and "STDiT3-3B/2" are the reference's registered builders (spec §1.1); "tiny" equals
-the reference harness's TINY_CONFIG (the parity fixtures use it); "demo" is sized for the CPU demo
+"STDiT3-XL/2" and "STDiT3-3B/2" are the reference's registered builders (`opensora/models/stdit/stdit3.py`);
+"tiny" equals the reference harness's TINY_CONFIG (the parity fixtures use it); "demo" is sized for the CPU demo
 (pixel-space latents with 3 channels and the tiny byte-level text encoder).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """STDiT3 (Open-Sora 1.2's spatial-temporal diffusion transformer) in Flax NNX.
 
-Computes what `opensora/models/stdit/stdit3.py` computes at the reference tag (v1.2.0), spec §1:
+Computes what `opensora/models/stdit/stdit3.py` computes at the reference tag (v1.2.0):
 PatchEmbed3D → + 2D sin/cos pos-emb → `depth` × (spatial block, temporal block) → T2IFinalLayer
 → unpatchify. The module tree mirrors the PyTorch one (see `jaxsora.convert`).
 
@@ -34,7 +34,7 @@ class CaptionEmbedder(nnx.Module):
     """y_proj (timm Mlp, GELU-tanh) over T5 states, with the learned null caption `y_embedding`.
 
     Caption dropout (CFG training) replaces a sample's whole caption by `y_embedding` but keeps
-    its text mask, as the reference does (spec §1.3). Captions may be shorter than
+    its text mask, as the reference does (`CaptionEmbedder.token_drop`). Captions may be shorter than
     `model_max_length` (cut to the batch's valid tokens); the null caption is cut with them.
     """
 
@@ -70,7 +70,7 @@ class CaptionEmbedder(nnx.Module):
 
 
 class STDiT3Block(nnx.Module):
-    """One spatial or temporal block with adaLN-single modulation (spec §1.4)."""
+    """One spatial or temporal block with adaLN-single modulation (`STDiT3Block`)."""
 
     def __init__(self, cfg: STDiT3Config, *, temporal: bool, rngs, dtype, attn_impl):
         c = cfg.hidden_size
@@ -88,7 +88,7 @@ class STDiT3Block(nnx.Module):
         self.cross_attn = L.MultiHeadCrossAttention(c, cfg.num_heads, rngs=rngs, dtype=dtype, attn_impl=attn_impl)
         hidden = int(c * cfg.mlp_ratio)
         self.mlp = L.Mlp(c, hidden, c, ("embed", "mlp"), ("mlp", "embed"), rngs=rngs, dtype=dtype)
-        if temporal:  # spec §1.9: each temporal block starts as the identity
+        if temporal:  # initialize_weights: each temporal block starts as the identity
             for lin in (self.attn.proj, self.cross_attn.proj, self.mlp.fc2):
                 lin.kernel[...] = jnp.zeros_like(lin.kernel[...])
 
@@ -141,7 +141,7 @@ class T2IFinalLayer(nnx.Module):
         h = L.modulate(L.layer_norm(x), shift, scale)
         if x_mask is not None:
             shift0, scale0 = (table + t0[:, None])[:, :, None, None, :].swapaxes(0, 1)
-            # Reference bug (spec §1.5): the t0 branch re-normalizes the already modulated h.
+            # Reference bug (T2IFinalLayer): the t0 branch re-normalizes the already modulated h.
             base = x if self.fix_double_mod else h
             h0 = L.modulate(L.layer_norm(base), shift0, scale0)
             h = jnp.where(x_mask[:, :, None, None], h, h0)
@@ -205,7 +205,7 @@ class STDiT3(nnx.Module):
         self.rope = L.RotaryEmbedding(cfg.head_dim)
         self.x_embedder = L.PatchEmbed3D(cfg.patch_size, cfg.in_channels, c, rngs=rngs, dtype=dt)
         self.t_embedder = L.TimestepEmbedder(c, rngs=rngs, dtype=dt)
-        # spec §1.9: fps_embedder mlp.0 ~ N(0, 0.02), mlp.2 = 0 (fps contributes 0 at init).
+        # initialize_weights: fps_embedder mlp.0 ~ N(0, 0.02), mlp.2 = 0 (fps contributes 0 at init).
         self.fps_embedder = L.TimestepEmbedder(
             c, rngs=rngs, dtype=dt, init_first=L.scaled_normal(0.02), init_last=L.zeros
         )
@@ -349,7 +349,8 @@ def param_count(model_or_config) -> int:
 
 def trainable_filter(config: STDiT3Config):
     """nnx filter of the parameters the optimizer updates: every nnx.Param, minus
-    `y_embedder.y_proj` when `freeze_y_embedder` (spec §1.9). Buffers are never trained."""
+    `y_embedder.y_proj` when `freeze_y_embedder` (the reference's `STDiT3.__init__` turns off
+    `requires_grad` there). Buffers are never trained."""
     if not config.freeze_y_embedder:
         return nnx.Param
     return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("y_proj")))

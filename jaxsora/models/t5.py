@@ -1,6 +1,6 @@
 """T5 v1.1 text encoder (Open-Sora 1.2's caption encoder) in Flax NNX, its loaders and tokenizers.
 
-Open-Sora 1.2 (spec §3.2) encodes captions with the encoder half of `DeepFloyd/t5-v1_1-xxl`
+Open-Sora 1.2 (`opensora/models/text_encoder/t5.py`) encodes captions with the encoder half of `DeepFloyd/t5-v1_1-xxl`
 (Hugging Face `T5EncoderModel`, d_model 4096, 24 layers, 64 heads, d_ff 10240), in bfloat16,
 with the tokenizer padding/truncating every caption to 300 tokens (EOS appended) and returning
 the attention mask. STDiT3 consumes `y = last_hidden_state[:, None]` `[B, 1, 300, 4096]` and the
@@ -421,7 +421,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `transformers` T5 tokenizer called as Open-Sora's T5Embedder does (spec §3.2)."""
+    """A `transformers` T5 tokenizer called as Open-Sora's T5Embedder does."""
 
     def __init__(self, folder_or_tokenizer, model_max_length: int):
         if isinstance(folder_or_tokenizer, str):

@@ -2,7 +2,7 @@
 `decode(z, num_frames)` on `[B, C, T, H, W]`, `out_channels`, `get_latent_size((T, H, W))`.
 
 * `OpenSoraVAE`: Open-Sora 1.2's `VideoAutoencoderPipeline` as `OpenSoraVAE_V1_2` configures it
-  (spec §3.1): a diffusers `AutoencoderKL` per frame (the SDXL-VAE architecture, latents x 0.18215),
+  (`opensora/models/vae/vae.py`): a diffusers `AutoencoderKL` per frame (the SDXL-VAE architecture, latents x 0.18215),
   then the causal temporal VAE (`VAE_Temporal_SD`, 4x in time) on 17-frame chunks, then a per-channel
   `(z - shift) / scale`. Parameter paths equal the reference state-dict keys
   (`spatial_vae.module.*`, `temporal_vae.*`, `scale`, `shift`), so `load_opensora_vae` is a copy.

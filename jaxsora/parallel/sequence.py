@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism for the spatial self-attention (spec §1.8, as DeepSpeed-Ulysses).
+"""Ulysses sequence parallelism for the spatial self-attention (as DeepSpeed-Ulysses and Open-Sora 1.2's
+`opensora/acceleration/communications.py`).
 
 Image tokens are sharded over the `sequence` mesh axis. For attention, an all-to-all trades the
 sequence shard for a head shard (every device then sees all S tokens of H/sp heads), attention

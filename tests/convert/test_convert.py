@@ -49,7 +49,7 @@ def test_xl2_keys_and_shapes_equal_reference_list(xl_abstract):
 
 
 def test_xl2_parameter_count(xl_abstract):
-    # spec §1.1: 1,207,643,972 parameters (incl. rope.freqs) + the 1,228,800-number y_embedding buffer.
+    # STDiT3-XL/2: 1,207,643,972 parameters (incl. rope.freqs) + the 1,228,800-number y_embedding buffer.
     assert param_count(xl_abstract) == 1_207_643_972 + 1_228_800
     trainable = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(xl_abstract, nnx.Param)))
     assert trainable == 1_207_643_972 - 36  # rope.freqs is a (non-trainable) buffer here
@@ -132,7 +132,7 @@ def test_pixart_sigma_mapping():
     y = out["y_embedder.y_embedding"]
     np.testing.assert_array_equal(y[:6], ref["y_embedder.y_embedding"][:6])
     np.testing.assert_array_equal(y[6:], np.repeat(ref["y_embedder.y_embedding"][5:6], 2, 0))
-    # fresh temporal blocks are identities, fps contributes 0, q/k norms are ones (spec §1.9)
+    # fresh temporal blocks are identities, fps contributes 0, q/k norms are ones (the reference's initialization)
     assert not out["temporal_blocks.0.attn.proj.weight"].any() and not out["temporal_blocks.1.mlp.fc2.weight"].any()
     assert not out["fps_embedder.mlp.2.weight"].any()
     np.testing.assert_array_equal(out["spatial_blocks.0.attn.q_norm.weight"], 1.0)

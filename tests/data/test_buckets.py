@@ -13,7 +13,7 @@ G = np.load(FIXTURES / "bucket_golden.npz")
 @pytest.mark.parametrize("name,mod", [("stage1", stage1), ("stage2", stage2), ("stage3", stage3)])
 def test_assignment_matches_reference(name, mod):
     b = Buckets(mod.get_config().data.bucket_config.to_dict())
-    assert b.num_bucket == int(G[f"{name}_num_bucket"])  # 626 / 894 / 1025 (spec §7.2)
+    assert b.num_bucket == int(G[f"{name}_num_bucket"])  # 626 / 894 / 1025 (the reference's stage 1-3 configs)
     c = G["cases"].astype(np.int64)
     seeds = np.array([b.row_seed(42, int(e), int(r)) for r, e in zip(c[:, 3], c[:, 4])], np.uint64)
     many = b.assign_many(c[:, 0], c[:, 1], c[:, 2], seeds)  # the vectorized path, on the same golden

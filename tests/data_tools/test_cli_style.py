@@ -1,4 +1,4 @@
-"""One CLI style (issue #15): every command's `--help` lists its flags with defaults; meta and shard
+"""One CLI style: every command's `--help` lists its flags with defaults; meta and shard
 refuse an existing output without --overwrite (one line, exit code 2); shard reads a folder of shards
 and keeps the old spelling `--out-dir`."""
 import concurrent.futures as cf

@@ -1,11 +1,12 @@
-"""MaskGenerator: definitions of every mask type, frequencies, validation, edges (spec §5)."""
+"""MaskGenerator: definitions of every mask type, frequencies, validation, edges
+(Open-Sora 1.2's `opensora/utils/train_utils.py`)."""
 import jax
 import numpy as np
 import pytest
 
 from jaxsora.diffusion.masks import MASK_TYPES, MaskGenerator
 
-# Open-Sora 1.2 configs/opensora-v1-2/train/stage1.py and stage2.py mask_ratios (spec §5 table).
+# Open-Sora 1.2 configs/opensora-v1-2/train/stage1.py and stage2.py mask_ratios.
 STAGE1 = {"random": 0.05, "intepolate": 0.005, "quarter_random": 0.005, "quarter_head": 0.005, "quarter_tail": 0.005,
           "quarter_head_tail": 0.005, "image_random": 0.025, "image_head": 0.05, "image_tail": 0.025,
           "image_head_tail": 0.025}

@@ -132,7 +132,7 @@ def test_training_loss_standin_vs_numpy():
     for m in (None, xm):
         ours = rflow.training_loss_explicit(fn, x0, dict(fps=fps), noise, t, x_mask=m)
         assert rel_err(ours, _numpy_loss(0.7, x0.astype(np.float64), noise, t, fps, m)) <= 1e-6
-    # an all-True mask equals no mask (spec §1.6)
+    # an all-True mask equals no mask (as the reference's x_mask)
     allt = rflow.training_loss_explicit(fn, x0, dict(fps=fps), noise, t, x_mask=np.ones((3, 5), bool))
     np.testing.assert_allclose(allt, rflow.training_loss_explicit(fn, x0, dict(fps=fps), noise, t), rtol=1e-6)
 

@@ -164,7 +164,7 @@ def test_temporal_keys_match_reference():
     assert full == ref_full
     temporal = {k: s for k, s in full.items() if k.startswith("temporal_vae.")}
     assert len(temporal) == 267
-    assert sum(int(np.prod(s)) for s in temporal.values()) == 309_687_144  # spec §3.1
+    assert sum(int(np.prod(s)) for s in temporal.values()) == 309_687_144  # the reference's temporal VAE
     if os.path.isfile(SHARED_TSV):
         assert temporal == _read_tsv(SHARED_TSV)
 

@@ -1,4 +1,4 @@
-"""Weights apart from the optimizer (issue #14): every part of the TrainState is an orbax item of its
+"""Weights apart from the optimizer: every part of the TrainState is an orbax item of its
 own (params, frozen, ema, opt_state — step and rng go with opt_state), so a copy of a run without
 `opt_state/` still serves --ckpt-path, `convert to-torch` and sampling, a weights-only restore never
 opens the optimizer's folder and verifies only what it reads, and --load of such a copy stops with

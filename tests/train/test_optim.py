@@ -1,4 +1,4 @@
-"""The optimizer recipe: schedules equal their formulas (spec §6, §7.3), AdamW with decoupled decay
+"""The optimizer recipe: schedules equal their formulas (Open-Sora's and the Lambda fork's), AdamW with decoupled decay
 equals a hand-written one, clipping, EMA, frozen parameters."""
 import importlib
 import math

@@ -1,4 +1,4 @@
-"""What clusters and users do to a run (issue #12): bad invocations are one line and exit code 2
+"""What clusters and users do to a run: bad invocations are one line and exit code 2
 and touch nothing; one run per folder; a frozen loader is reported; a blown-up update is rejected;
 SIGTERM on one of two processes stops both at the same step."""
 import concurrent.futures as cf

@@ -1,4 +1,4 @@
-"""Validation loss on a held-out table: Open-Sora 1.2's eval loss (spec §2.3, `eval/loss/eval_loss.py`)
+"""Validation loss on a held-out table: Open-Sora 1.2's eval loss (`eval/loss/eval_loss.py`)
 run inside training every `eval.every` steps.
 
 What is measured, as the reference: for every (resolution, num_frames) entry of `eval.bucket_config`,

@@ -3,7 +3,7 @@ and its rules, the frozen encoders, the STDiT3 config, the train-state plan (sha
 shardings, nothing allocated), the jitted step and the data loader; and the initial state for
 each resume mode, every array created directly in its shard.
 
-Resume modes (the reference's flags, spec §6):
+Resume modes (the flags of Open-Sora 1.2's `scripts/train.py`):
 - `--load DIR`: everything (params, EMA, optimizer, step, data position, RNG, wandb run) — an exact
   continuation; the loader refuses a changed table, bucket config, seed or data-parallel size
   unless `--start-from-scratch` (then the data order restarts, the rest continues).

@@ -1,4 +1,5 @@
-"""The optimizer recipe of Open-Sora 1.2 and the Lambda speed run (spec §6, §7.3).
+"""The optimizer recipe of Open-Sora 1.2 and the Lambda speed run (`scripts/train.py`, the Lambda fork's
+`opensora/utils/lr_scheduler.py`).
 
 * AdamW (ColossalAI HybridAdam, adamw_mode): betas (0.9, 0.999), eps 1e-15, bias correction,
   decoupled weight decay `p ← p − lr·(adam + wd·p)` on every trainable parameter (biases, norms

@@ -1,6 +1,6 @@
 """The jitted train step.
 
-One step (Open-Sora 1.2 `scripts/train.py`, spec §6): encode the video with the frozen VAE and the
+One step (Open-Sora 1.2 `scripts/train.py`): encode the video with the frozen VAE and the
 captions with the frozen text encoder → draw the frame-conditioning masks → rectified-flow loss
 of STDiT3 (caption dropout inside) → gradients of the trainable parameters → global-norm clip →
 AdamW → EMA. A step is rejected — the state left unchanged, counted in the metrics (`nonfinite`)
@@ -115,7 +115,7 @@ def make_train_step(
         # all at `realistic` and `240p` (0.696 and 1.095 GiB, the cond 0.761 and 1.347) and less at `wide` (1.144,
         # the cond 1.325), and runs 3-4% faster; the outputs still reuse the donated state's buffers. The two
         # differ in rounding only; the demo judged over two data/init seeds: colour 92/96, motion 90/96 with
-        # the select, 95/96 and 88/96 with the cond (issue #24's note of 2026-11-26).
+        # the select, 95/96 and 88/96 with the cond (measured 2026-11-26).
         params, opt_state, ema, norm, growth, ok = optimizer.update(
             grads, grad_norm, state.opt_state, state.params, state.ema, ema_decay=ema_decay,
             accept=jnp.isfinite(loss) & jnp.isfinite(grad_norm), max_norm_growth=max_norm_growth)
