@@ -21,8 +21,8 @@ install: $(STAMP)
 
 # The suite on TEST_WORKERS processes (pytest-xdist), whole files per worker so that module fixtures (compiled
 # steps, trained runs) are built once; files with `slow` tests are handed out first (tests/conftest.py).
-# Three workers on the 2-core machine: part of the suite waits rather than computes (a lost peer's 8 s timeout,
-# the watchdog, processes starting), and a third worker fills those waits — 505 → 452–536 s, at most 11.5 GiB in use.
+# Three workers on a 2-core machine: part of the suite waits rather than computes (timeouts, processes
+# starting), and a third worker fills those waits (docs/install.md, "Running the tests").
 # Each worker holds a few GiB (8 fake devices, compiled steps): raise it on machines with the memory.
 TEST_WORKERS ?= 3
 test: install lint
@@ -31,12 +31,13 @@ test: install lint
 # ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade, simplify; pyproject.toml): make test
 # runs it first, so CI does too
 lint: install
-	$(VPY) -m ruff check jaxsora data_tools bench tests configs
+	$(VPY) -m ruff check jaxsora data_tools bench tests configs docs
 
 # The CPU demo: synthetic videos → train a small STDiT3 → checkpoint → sample an mp4 → export to PyTorch.
 DEMO ?= outputs/demo
 DEMO_SEEDS ?= 4
-# glibc gives XLA:CPU's per-step scratch buffers transparent huge pages instead of ~4 KB page faults (BUILD.md)
+# glibc gives XLA:CPU's per-step scratch buffers transparent huge pages instead of ~4 KB page faults
+# (docs/install.md)
 demo: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 demo: install
 	@# a fresh demo each time: the trainer refuses to start a new run in a folder that holds one
@@ -47,8 +48,8 @@ demo: install
 		--config.eval.table=$(DEMO)/eval/meta.csv
 	$(VPY) -m jaxsora.serve --preset demo --runs $(DEMO) --prompt-path $(DEMO)/data/prompts.txt --once --no-wandb
 	@# prompts.txt: the captions of the 12 (colour, shape, direction) combinations no training clip shows
-	$(VPY) -m jaxsora.sample --ckpt $(DEMO)/checkpoints --ema --output $(DEMO)/samples \
-		--prompt-file $(DEMO)/data/prompts.txt --num-sample $(DEMO_SEEDS) --no-progress
+	$(VPY) -m jaxsora.sample --ckpt-path $(DEMO)/checkpoints --ema --output $(DEMO)/samples \
+		--prompt-path $(DEMO)/data/prompts.txt --num-sample $(DEMO_SEEDS) --no-progress
 	$(VPY) -m jaxsora.convert to-torch $(DEMO)/checkpoints $(DEMO)/stdit3_demo_ema.safetensors --ema
 	@echo
 	@# judged by their pixels: the shape's colour, and which way it moves

@@ -21,7 +21,7 @@ Listed shapes (latent T×H×W; the text is the real caption size, 300 tokens × 
   wide        depth 4, hidden 768, 12 heads, 240p × 17 frames (5×30×40 latents → 1500 tokens), batch 1
 
 The VAE and T5 are not timed (both sides take latents and text states). fp32 on both sides. On CPU, run it
-with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 as CPU jobs should run (README, "Benchmarks"); the variable reaches
+with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 as CPU jobs should run (docs/benchmarks.md); the variable reaches
 the reference's process too.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ between its blocks — and the ratio printed is the median of the blocks' ratios
 a shared host a slow minute then falls on both sides (sequential runs of the same programs have read
 1.05× and 1.32× within the hour).
 
-On CPU, run it as CPU jobs should run (README, "Benchmarks"): `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python
+On CPU, run it as CPU jobs should run (docs/benchmarks.md): `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python
 bench/step.py ...` — the variable reaches the reference's process too, so both sides run with it.
 
 FLOPs, two ways (both printed): "model" is the formula below × 3 (forward + backward; the PaLM
@@ -237,7 +237,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
                 ratios.append(float(np.median(block) / np.median(ref.steps(len(block)))))
         # what the kernel spends beside the step's own work: XLA:CPU allocates each execution's scratch buffer anew
         # (746 MB at `realistic`), above glibc's mmap threshold a fresh mapping whose every page faults in — 4 KB
-        # pages, or huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (README, "Benchmarks")
+        # pages, or huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (docs/benchmarks.md)
         def per_step(field):
             return sum(getattr(b, field) - getattr(a, field) for a, b in usage) / args.steps
 
@@ -584,7 +584,7 @@ def main(argv=None):
                     help="the Linear layers' backward: layers.dense_matmul's (custom, the default) or autodiff's "
                     "(A/B of the weight-gradient form on another backend)")
     args = ap.parse_args(argv)
-    # read by glibc at process start, in this process and the reference's alike (README: run CPU jobs with
+    # read by glibc at process start, in this process and the reference's alike (docs/install.md: run CPU jobs with
     # glibc.malloc.hugetlb=1)
     progress(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     with dense_backward(args.dense_backward):

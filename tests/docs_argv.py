@@ -4,7 +4,7 @@ parser, and run nothing else.
 stdin: a JSON list of {"kind": "module" | "script", "target": "jaxsora.train" | "bench/step.py", "argv": [...],
 "loose": bool}; stdout: a JSON list of {"ok": bool, "message": str}, one per command, in order.
 
-Each command is checked in a process of its own (a fork of this one), as `python -m TARGET ARGV` would start:
+Each command is checked in a fork of this process, as `python -m TARGET ARGV` would start:
 - argparse commands: the command's module runs as `__main__` until it first asks its parser to parse; that parser
   (the real one, subcommands and hidden aliases included) is taken there, the module is stopped, and the
   documented argv is parsed by it. A command that parses with `parse_known_args` (config overrides after its
@@ -94,16 +94,8 @@ def capture_parser(kind: str, target: str, argv: list[str] = ()) -> _Captured | 
     return None
 
 
-def _check(kind: str, target: str, argv: list[str]) -> tuple[int, str]:
-    """(exit code, stderr) of parsing `argv` as command `target` does."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            c = capture_parser(kind, target, argv)
-        if c is None:
-            return 0, ""
-    except SystemExit as e:  # an absl command's parse (0: parsed), or a mistake found before any parser
-        return (e.code if isinstance(e.code, int) else (0 if e.code is None else 1)), err.getvalue()
+def _parse(c: _Captured, argv: list[str]) -> tuple[int, str]:
+    """(exit code, stderr) of the captured parser parsing `argv`."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -117,28 +109,57 @@ def _check(kind: str, target: str, argv: list[str]) -> tuple[int, str]:
         return (e.code if isinstance(e.code, int) else 1), err.getvalue()
 
 
+def _check_group(kind: str, target: str, argvs: list[list[str]]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of parsing each of `argvs` as command `target` does: an argparse command's parser is
+    taken once and parses them all; an absl command parses the first only (the parent forks again for the rest,
+    since absl's flags are process-global)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            c = capture_parser(kind, target, argvs[0])
+        if c is None:
+            return [(0, "")]
+    except SystemExit as e:  # an absl command's parse (0: parsed), or a mistake found before any parser
+        return [((e.code if isinstance(e.code, int) else (0 if e.code is None else 1)), err.getvalue())]
+    return [_parse(c, argv) for argv in argvs]
+
+
+def _in_child(kind: str, target: str, argvs: list[list[str]]) -> list[dict]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one command's parser
+        os.close(read)
+        try:
+            got = _check_group(kind, target, argvs)
+        except BaseException as e:  # noqa: BLE001 - reported, not raised: the parent reads it
+            got = [(1, f"{type(e).__name__}: {e}")]
+        with os.fdopen(write, "w") as f:
+            json.dump([{"code": code, "message": message.strip()} for code, message in got], f)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(text) if text else [{"code": 1, "message": "the checking process died"}]
+
+
 def main() -> None:
     jobs = json.load(sys.stdin)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault((job["kind"], job["target"]), []).append(i)
+    got: dict[int, dict] = {}
+    for (kind, target), members in groups.items():
+        todo = members
+        while todo:
+            answers = _in_child(kind, target, [jobs[i]["argv"] for i in todo])
+            got.update(zip(todo, answers))
+            todo = todo[len(answers):]  # an absl command answers one at a time
     results = []
-    for job in jobs:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: one command
-            os.close(read)
-            try:
-                code, message = _check(job["kind"], job["target"], job["argv"])
-            except BaseException as e:  # noqa: BLE001 - reported, not raised: the parent reads it
-                code, message = 1, f"{type(e).__name__}: {e}"
-            with os.fdopen(write, "w") as f:
-                json.dump({"code": code, "message": message.strip()}, f)
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as f:
-            text = f.read()
-        os.waitpid(pid, 0)
-        got = json.loads(text) if text else {"code": 1, "message": "the checking process died"}
-        ok = got["code"] == 0 or (job.get("loose") and not any(u in got["message"] for u in UNKNOWN))
-        results.append({"ok": bool(ok), "message": got["message"]})
+    for i, job in enumerate(jobs):
+        g = got[i]
+        ok = g["code"] == 0 or (job.get("loose") and not any(u in g["message"] for u in UNKNOWN))
+        results.append({"ok": bool(ok), "message": g["message"]})
     json.dump(results, sys.stdout)
 
 

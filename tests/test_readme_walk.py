@@ -1,15 +1,16 @@
-"""The README walk (issue #23): every command of the README's bash blocks (and its Python example), run as
-a user types it, each command's output the next one's input — on the demo config, a few steps long, in two
-chains of a folder each that start from the same data commands (`walk`). A README command that stops
-working fails CI; so does a command the walk does not know (each one is walked or skipped with its reason
-in `WALK` below) and a `WALK` entry the README lost.
+"""The README walk: every command of the bash blocks of the README and of every docs page (and the docs' Python
+example), run as a user types it, in the order the README leads to the pages, each command's output the next
+one's input — on the demo config, a few steps long, in two chains of a folder each that start from the same data
+commands (`walk`). A documented command that stops working fails CI; so does a command the walk does not know
+(each one is walked or skipped with its reason in `WALK` below) and a `WALK` entry the docs lost. The flags of
+the commands it skips (GPU runs, clusters, downloads) are checked against their parsers by tests/test_docs.py.
 
 What the walk changes in a command is written beside it, and is of three kinds only: the stage configs
 become `configs/demo.py`, one block pair deep, with a step or two (`TRAIN_FAST`, `TRAIN_ONE`: a CPU cannot
-run XL/2 at 240p), the README's example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded
+run XL/2 at 240p), the docs' example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded
 weights) become what the walk's earlier commands made, and sizes that a 32×32 synthetic set cannot meet
 (`--frames-min 51`) shrink. The inputs a user brings — a table of their own files (`raw.csv`), prompts, a
-reference image — are made from the synthetic set the README's own `data_tools.synthetic` command writes.
+reference image — are made from the synthetic set the docs' own `data_tools.synthetic` command writes.
 """
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ from collections.abc import Callable
 import pandas as pd
 import pytest
 
+from tests.test_docs import bash_commands, doc_pages, python_blocks
 from tests.xla_flags import cpu_flags
 from tests.zygote import PYTHON
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
 
 # A stage config at a size a CPU runs in seconds: the demo model one block pair deep (each trainer process
 # about half the CPU time of the demo's four), 2 steps, a checkpoint at every step (0, 1, 2) for the runs the
@@ -45,13 +46,12 @@ TRAIN_FAST_4 = TRAIN_FAST.replace("max_steps=2", "max_steps=4")  # a resume: two
 TRAIN_ONE = f"--config.train.max_steps=1 --config.train.log_every=1 {WALK_DEPTH}"
 STAGE_CONFIGS = {"configs/stage1.py": "configs/demo.py", "configs/lambda/stage1.py": "configs/demo.py",
                  "configs/lambda/stage2.py": "configs/demo.py", "configs/lora_example.py": "configs/demo.py"}
-QUICK_START = {**STAGE_CONFIGS, "data/meta.csv": "meta.csv"}  # the table data_tools.meta wrote
 LAMBDA = {**STAGE_CONFIGS, "OpenVid1M.csv": "meta.csv"}
 
 
 @dataclasses.dataclass
 class Walk:
-    """Run the README command with these exact-substring `rewrites` (and `extra` arguments at its end);
+    """Run the documented command with these exact-substring `rewrites` (and `extra` arguments at its end);
     it must exit 0, with `expect` leave that path behind, and pass `check` (a command the walk runs anyway is
     not run again by another test: that test's assertions are its `check`)."""
     rewrites: dict = dataclasses.field(default_factory=dict)
@@ -82,14 +82,32 @@ SKIP_CLUSTER = Skip("needs hosts reachable over ssh (tests/cluster runs these ag
 R1, R2, R3, R4 = (f"outputs/{i:03d}-demo" for i in range(1, 5))  # chain "runs"
 T1, T2, T3, T4, T5 = (f"outputs/{i:03d}-demo" for i in range(1, 6))  # chain "tools"
 
-# (a substring that names one README command, what the walk does with it) — in the order walked.
+SKIP_GPU_SETUP = Skip("a GPU node's setup: a venv, pip, a device check (make test installs this machine)")
+SKIP_DOWNLOAD = Skip("a download from Hugging Face (this machine has no network): docs/weights.md")
+SKIP_HOSTS = Skip("several hosts' environment for one process each (tests/cluster and the multi-process "
+                  "tests run two local processes instead)")
+
+# (a substring that names one command of the README or a docs page, what the walk does with it) — in the order
+# walked. The pages are read in the order the README links them (tests/test_docs.py, doc_pages); a command
+# written on two pages alike is one command.
 WALK: list[tuple[str, Walk | Skip]] = [
     ("make demo", Skip("the demo itself: `make demo` (10 minutes of training), run by hand and in its own CI job")),
-    ("make test", Skip("runs this walk")),
-    # --- Data: the README's synthetic set is the walk's raw material (raw.csv: its paths and captions).
+    ("make test\n", Skip("runs this walk")),
+    ("make test TEST_WORKERS=4", Skip("runs this walk")),
+    ("-m pytest tests/models", Skip("a part of the suite this walk belongs to")),
+    ("python3.12 -m venv", SKIP_GPU_SETUP),
+    (". .venv/bin/activate", SKIP_GPU_SETUP),
+    ("pip install -e '.[cuda13]'", SKIP_GPU_SETUP),
+    ("pip install -U huggingface_hub", SKIP_GPU_SETUP),
+    ('python -c "import jax', SKIP_GPU_SETUP),
+    ("hf download", SKIP_DOWNLOAD),
+    # --- Data: the synthetic set is the walk's raw material (raw.csv: its paths and captions).
     ("data_tools.synthetic --output data/synthetic", Walk(extra="--num-videos 24 --num-images 6 --no-progress",
                                                           expect="data/synthetic/meta.csv", chain="data")),
-    ("data_tools.meta --input raw.csv", Walk({"--num-workers 16": "--num-workers 2"}, expect="meta.csv", chain="data")),
+    ("--input raw.csv --output data/meta.csv", Walk({"--num-workers 16": "--num-workers 2"}, expect="data/meta.csv",
+                                                    chain="data")),
+    ("--input raw.csv --output meta.csv", Walk({"--num-workers 16": "--num-workers 2"}, expect="meta.csv",
+                                               chain="data")),
     ("data_tools.shard --input meta.csv", Walk({"--num-shards 64": "--num-shards 4"}, expect="shards", chain="data")),
     ("data_tools.filter --input meta.csv", Walk({"--frames-min 51 --height-min 240": "--frames-min 1 --height-min 32"},
                                                 expect="meta_f.csv", chain="data")),
@@ -104,12 +122,15 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("data_tools.filter --input OpenVid1M.csv", Walk({"OpenVid1M.csv": "meta.csv", "--frames-min 51": "--frames-min 1"},
                                                      expect="data/train.csv", chain="data")),
     ("data_tools.stats --input data/train.csv", Walk(STAGE_CONFIGS, chain="data")),
-    # --- Training (README: the quick start, then the Lambda recipe with its example names).
-    ("--data-path data/meta.csv\n", Walk(QUICK_START, TRAIN_FAST, R1)),
-    ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(QUICK_START, TRAIN_ONE, R2)),
-    ("--data-path data/meta.csv --dry-run", Walk(QUICK_START, WALK_DEPTH)),  # compiles each bucket: 13 s, 29 at depth 4
-    ("--data-path data/meta.csv --load 656", Walk({**QUICK_START, "--load 656": "--load 1"}, TRAIN_FAST_4,
+    # --- Training (the README's quick start, then the Lambda recipe with its example names).
+    ("data/meta.csv --dry-run\n", Walk(STAGE_CONFIGS, WALK_DEPTH)),  # compiles each bucket: 13 s, 29 at depth 4
+    ("--data-path data/meta.csv\n", Walk(STAGE_CONFIGS, TRAIN_FAST, R1)),
+    ("to-torch outputs/001-stage1/checkpoints", Walk({"outputs/001-stage1": R1}, expect="stdit3_stage1.pth")),
+    ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(STAGE_CONFIGS, TRAIN_ONE, R2)),
+    ("--data-path data/meta.csv --load 656", Walk({**STAGE_CONFIGS, "--load 656": "--load 1"}, TRAIN_FAST_4,
                                                   R1 + "/checkpoints/4")),
+    ("device_memory_gib=80", Skip("XL/2 at 240p compiled for 8 devices: minutes of CPU (its flags are checked by "
+                                  "tests/test_docs.py; the dry run above is walked)")),
     # --ckpt-path: the README's PixArt-Sigma weights (a download) → the first run's checkpoints.
     ("lambda/stage1.py --data-path OpenVid1M.csv", Walk(
         {**LAMBDA, "pretrained_models/PixArt-Sigma-XL-2-2K-MS.pth": R1 + "/checkpoints"}, TRAIN_FAST, R3)),
@@ -117,23 +138,33 @@ WALK: list[tuple[str, Walk | Skip]] = [
         {**LAMBDA, "outputs_speedrun/001-lambda-stage1": R3}, TRAIN_ONE, R4)),
     ("--data-path OpenVid1M.csv --load 2", Walk({**LAMBDA, "--load 2": "--load 4"}, TRAIN_FAST,
                                                R4 + "/checkpoints/2")),
-    ("hosts.txt preflight", SKIP_CLUSTER),
-    ("launch --run outputs/s1", SKIP_CLUSTER),
-    ("hosts.txt status", SKIP_CLUSTER),
-    ("launch --run outputs/s2", SKIP_CLUSTER),
     ("python -m jaxsora.runs", Walk()),
+    ("JAX_PROCESS_ID=0", SKIP_HOSTS),
+    ("JAX_PROCESS_ID=1", SKIP_HOSTS),
+    ("srun python", SKIP_HOSTS),
+    ("hosts.txt preflight", SKIP_CLUSTER),
+    ("launch --run outputs/stage1", SKIP_CLUSTER),
+    ("hosts.txt status", SKIP_CLUSTER),
+    ("hosts.txt dump", SKIP_CLUSTER),
+    ("hosts.txt stop", SKIP_CLUSTER),
+    ("--slurm 123456", SKIP_CLUSTER),
+    ("launch --run outputs/s1", SKIP_CLUSTER),
+    ("launch --run outputs/s2", SKIP_CLUSTER),
     ("average outputs/s7/checkpoints", Walk({"outputs/s7/checkpoints --steps 4000,4500,5000":
                                              R3 + "/checkpoints --steps 0,1,2", "outputs/s7-avg": "outputs/avg7"},
                                             expect="outputs/avg7")),
     ("to-torch outputs/s7-avg", Walk({"outputs/s7-avg": "outputs/avg7"}, expect="stdit3_s7.safetensors")),
-    ("sample --ckpt outputs/s7-avg", Walk({"outputs/s7-avg": "outputs/avg7"}, "--num-sampling-steps 4",
-                                          expect="samples/s7")),
+    ("sample --ckpt-path outputs/s7-avg", Walk({"outputs/s7-avg": "outputs/avg7"}, "--num-sampling-steps 4",
+                                               expect="samples/s7")),
     ("average outputs/012-stage7/checkpoints", Walk({"outputs/012-stage7/checkpoints --steps 400,500,600":
                                                      R1 + "/checkpoints --steps 2,3,4"}, expect="outputs/avg")),
     ("ckpt verify outputs/avg", Walk()),
+    ("ckpt list outputs/avg", Walk()),
     ("from-torch OpenSora-STDiT-v3.safetensors", Walk({"OpenSora-STDiT-v3.safetensors": "stdit3_s7.safetensors",
                                                        "STDiT3-XL/2": WALK_MODEL}, expect="ckpt")),
-    # --- Sampling (the README's outputs/demo is `make demo`'s run: here the first run).
+    ("python scripts/inference.py", Skip("Open-Sora's own command, in its checkout: "
+                                         "tests/convert/test_reference_crosscheck.py loads our export into it")),
+    # --- Sampling (the docs' outputs/demo is `make demo`'s run: here the first run).
     ('outputs/demo --prompt "a red circle moving right" --output samples/', Walk(
         {"outputs/demo": R1}, "--num-sampling-steps 4", expect="samples")),
     ("--image-size 32 32 --num-frames 16", Walk({"outputs/demo": R1, "--step 400": "--step 3"},
@@ -152,7 +183,7 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("--preset demo --presets-file demo_preset.json", Walk({"outputs/demo": R2}, expect=R2 + "/samples/demo")),
     ("data_tools.judge samples/", Walk(expect="samples.png")),
     # --- The tools chain.
-    # A CPU reports no memory limit: the search needs one (the README's is the device's own).
+    # A CPU reports no memory limit: the search needs one (the docs' is the device's own).
     ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 4 --no-progress"},
                        f"--config.train.device_memory_gib=0.1 {WALK_DEPTH}", expect="bs.json", chain="tools",
                        check=_search_found_the_boundary)),
@@ -164,7 +195,7 @@ WALK: list[tuple[str, Walk | Skip]] = [
                                                  expect="stdit3.pth", chain="tools")),
     ("from-torch PixArt-Sigma-XL-2-2K-MS.pth", Walk({"PixArt-Sigma-XL-2-2K-MS.pth ckpt/": "stdit3.pth ckpt_pth/",
                                                      "STDiT3-XL/2": WALK_MODEL}, expect="ckpt_pth", chain="tools")),
-    # LoRA on the Open-Sora state dict exported above (the README: Open-Sora's released weights).
+    # LoRA on the Open-Sora state dict exported above (the docs: Open-Sora's released weights).
     ("configs/lora_example.py", Walk({**STAGE_CONFIGS, "clips.csv": "splits/train.csv",
                                       "pretrained_models/OpenSora-STDiT-v3/model.safetensors": "stdit3.pth"},
                                      TRAIN_ONE, T3, chain="tools")),
@@ -177,50 +208,50 @@ WALK: list[tuple[str, Walk | Skip]] = [
                                    "--shard-size 256 --batch-size 16": "--shard-size 8 --batch-size 4"},
                                   "--no-progress", expect="feats/manifest.json", chain="tools")),
     ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_ONE, T5, chain="tools")),
-    ("bench/", Skip("benchmarks: timed by hand on a quiet machine (README, Benchmarks), never in CI")),
+    ("bench/", Skip("benchmarks: timed by hand on a quiet machine (docs/benchmarks.md), never in CI")),
 ]
-# The README's Python example (the sampling API), run with the walk's first run as outputs/demo.
+# The docs' Python example (the sampling API, docs/sampling.md), run with the walk's first run as outputs/demo.
 PYTHON_EXAMPLE_REWRITES = {'"outputs/demo"': f'"{R1}"', "num_sampling_steps=30": "num_sampling_steps=4"}
 
 
-def readme_commands() -> list[str]:
-    """Each command of the README's bash blocks: continuation lines joined, comments and blank lines dropped,
-    ending in a newline (so a key may name a command's end)."""
+def doc_commands() -> list[str]:
+    """Each command of the README's and the docs pages' bash blocks (tests/test_docs.py reads them: continuation
+    lines joined, comments dropped), in reading order, a command written twice alike once; each ends in a
+    newline (so a key may name a command's end)."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
-        for line in re.sub(r"\\\n\s*", "", block).splitlines():
-            line = line.split("  #")[0].rstrip()
-            if line and not line.lstrip().startswith("#"):
-                out.append(line.strip() + "\n")
+    for page in doc_pages():
+        for command in bash_commands(page):
+            if command + "\n" not in out:
+                out.append(command + "\n")
     return out
 
 
 def python_example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) == 1, "the walk knows one Python example in the README"
+    blocks = [b for page in doc_pages() for b in python_blocks(page) if "from jaxsora" in b]
+    assert len(blocks) == 1, "the walk knows one Python example of the API in the docs"
     return blocks[0]
 
 
 def _claims() -> list[tuple[str, Walk | Skip, str]]:
-    """(key, action, the README command it names), in walk order; every README command claimed once."""
-    commands = readme_commands()
+    """(key, action, the documented command it names), in walk order; every documented command claimed once."""
+    commands = doc_commands()
     claimed, problems = [], []
     for key, action in WALK:
         hits = [c for c in commands if key in c]
         if isinstance(action, Skip) and hits:  # one reason may skip several commands (the benchmarks)
             claimed += [(key, action, c) for c in hits]
         elif len(hits) != 1:
-            problems.append(f"walk key {key!r} names {len(hits)} README commands: {hits}")
+            problems.append(f"walk key {key!r} names {len(hits)} documented commands: {hits}")
         else:
             claimed.append((key, action, hits[0]))
     named = [c for _, _, c in claimed]
-    problems += [f"a README command claimed twice: {c.strip()}" for c in set(named) if named.count(c) > 1]
-    problems += [f"a README command the walk does not know: {c.strip()}" for c in commands if c not in named]
+    problems += [f"a documented command claimed twice: {c.strip()}" for c in set(named) if named.count(c) > 1]
+    problems += [f"a documented command the walk does not know: {c.strip()}" for c in commands if c not in named]
     assert not problems, "\n".join(problems)
     return claimed
 
 
-def test_the_walk_knows_every_readme_command():
+def test_the_walk_knows_every_documented_command():
     _claims()
 
 
@@ -229,16 +260,16 @@ def _as_walked(command: str, walk: Walk) -> list[str]:
         if old in command:
             command = command.replace(old, new)
         elif old not in STAGE_CONFIGS:  # the shared config map names configs a command may not use
-            raise AssertionError(f"rewrite {old!r} not in the README command {command.strip()!r}")
+            raise AssertionError(f"rewrite {old!r} not in the documented command {command.strip()!r}")
     args = shlex.split(command) + shlex.split(walk.extra)
     assert args[0] == "python", command
     return [PYTHON, *args[1:]]
 
 
 def _user_inputs(work: pathlib.Path) -> None:
-    """What a user brings, made from the README's synthetic set once it exists: a table of their own
+    """What a user brings, made from the docs' synthetic set once it exists: a table of their own
     files with only paths, captions and the scores `filter` reads; prompts; a reference image and clip;
-    the presets file of the README's server example."""
+    the presets file of the docs' server example."""
     meta = pd.read_csv(work / "data/synthetic/meta.csv")
     raw = pd.DataFrame(dict(path="data/synthetic/" + meta["path"], text=meta["text"], aes=6.0, flow=1.0,
                             ocr=0.0, match=0.5))
@@ -249,8 +280,9 @@ def _user_inputs(work: pathlib.Path) -> None:
     clips = meta[meta["num_frames"] > 1]["path"].tolist()
     for name, src in (("first.png", images[0]), ("a.png", images[0]), ("b.png", images[1]), ("clip.mp4", clips[0])):
         shutil.copy(work / "data/synthetic" / src, work / name)
-    preset = re.search(r"`(\{\"demo\": \{.*?\}\})`", " ".join(README.read_text().split()))
-    assert preset, "the README's demo preset example"
+    text = " ".join(" ".join(page.read_text().split()) for page in doc_pages())
+    preset = re.search(r"`(\{\"demo\": \{.*?\}\})`", text)
+    assert preset, "the docs' demo preset example (docs/sampling.md)"
     (work / "demo_preset.json").write_text(json.dumps(json.loads(preset.group(1))))
 
 
@@ -275,7 +307,7 @@ def walk(chain: str, work: pathlib.Path) -> list[str]:
             action.check(work, r.stdout)
         if key.startswith("data_tools.synthetic"):
             _user_inputs(work)
-    if chain == "runs":  # the README's Python example samples the first run
+    if chain == "runs":  # the docs' Python example samples the first run
         code = python_example()
         for old, new in PYTHON_EXAMPLE_REWRITES.items():
             assert old in code, old

@@ -7,7 +7,7 @@ default ("xla"). On the 2-core AVX-512 host of `bench/step.py` (jaxlib 0.10.2, 2
 attention's batched matmuls 1.5-1.9x as fast as YNNPACK (cross-attention's Q·Kᵀ at `realistic`,
 [4, 6, 720, 64]·[4, 6, 150, 64]ᵀ: 2.35 ms against 4.23) and the Linear layers' as fast or up to 1.2x as fast;
 whole programs, in-process A/B: the 30-step sampler 0.83-0.89x the time at `realistic`, 0.90x at `wide`; the
-train step 0.94-0.99x, within the host's noise against Open-Sora (README, "Benchmarks"). Outputs agree to ~2e-6
+train step 0.94-0.99x, within the host's noise against Open-Sora (docs/benchmarks.md). Outputs agree to ~2e-6
 (relative).
 
 Why not the default: XLA:CPU cannot serialize a program holding oneDNN calls ("ToProto is not implemented for

@@ -11,7 +11,7 @@ run folder, unnumbered; refused if it holds a run already, unless --load resumes
 --dry-run (validate config, table and bucket plan; compile the step per bucket and print the plan
 and per-device memory; train nothing), --profile START:STOP (a jax.profiler trace), --debug
 (tracebacks for user errors too).
-Multi-host: see BUILD.md (jax.distributed from SLURM / JAX_* variables / --coordinator flags).
+Multi-host: see docs/training/clusters.md (jax.distributed from SLURM / JAX_* variables / --coordinator flags).
 
 A mistake in what was given (flag, config key or value, path, table, checkpoint, mesh, missing
 optional dependency) is one line on stderr and exit code 2 (`jaxsora.errors`).
