@@ -689,6 +689,7 @@ JAXSORA_BLOCK = "jaxsora"
 
 
 def _jaxsora_block(block, ctx: Ctx, base) -> None:
+    from jaxsora.infer.options import SampleSettings
     from jaxsora.models.config import STDiT3Config
 
     if not isinstance(block, Mapping):
@@ -699,7 +700,8 @@ def _jaxsora_block(block, ctx: Ctx, base) -> None:
         if not isinstance(values, Mapping):
             ctx.fail(f"{JAXSORA_BLOCK}[{group!r}] = {values!r}: expected dict(key=value)")
         for key, value in values.items():
-            known = key in base[group] or (group == "model" and key in STDiT3Config.__dataclass_fields__)
+            known = key in base[group] or (group == "model" and key in STDiT3Config.__dataclass_fields__) or (
+                group == "sample" and key in SampleSettings.__dataclass_fields__)
             if not known:
                 near = difflib.get_close_matches(str(key), list(base[group].keys()), n=1)
                 ctx.fail(f"{JAXSORA_BLOCK}: unknown jaxsora config key {group}.{key}"
