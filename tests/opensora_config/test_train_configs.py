@@ -243,3 +243,17 @@ def test_nothing_heavy_is_imported_reading_the_files():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0 and r.stdout.strip() == "", r.stderr[-2000:]
+
+
+def test_data_tools_stats_reads_an_open_sora_file(tmp_path):
+    """`python -m data_tools.stats --config OPEN_SORA_FILE.py` plans with the file's buckets and seed, overrides on
+    top, as the trainer reads it; a mistake in the file is the same one-line error."""
+    from data_tools.stats import load_config
+
+    path = str(LAMBDA / "stage2.py")
+    c = load_config(path, ["--config.data.seed=3"])
+    assert c.data.seed == 3 and plain(c.data.bucket_config) == plain(translate_train(path).config().data.bucket_config)
+    bad = tmp_path / "bad.py"
+    bad.write_text(pathlib.Path(path).read_text() + "\nema_decey = 0.9\n")
+    with pytest.raises(ConfigError, match="ema_decey"):
+        load_config(str(bad), [])
