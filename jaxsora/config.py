@@ -59,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsora.opensora_config.translate import translate_file
 
     args = build_parser().parse_args(argv)
+    from jaxsora.errors import BadInput, MissingFile
+    from jaxsora.opensora_config import is_opensora_config
+
+    if not os.path.isfile(args.config):
+        raise MissingFile(f"no such config file: {args.config}")
+    if not is_opensora_config(args.config):
+        raise BadInput(f"{args.config} is a jaxsora config already (it defines get_config()), or not a Python file")
     text = translate_file(args.config)
     if args.output is None:
         sys.stdout.write(text)

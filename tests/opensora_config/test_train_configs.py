@@ -227,6 +227,10 @@ def test_the_command_line_runs_an_open_sora_file(tmp_path):
     assert subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120).returncode == 0
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "exists" in r.stderr and out.read_text().startswith('"""jaxsora config translated')
+    for given, said in (("configs/stage1.py", "a jaxsora config already"), (str(bad), "ema_decey")):
+        r = subprocess.run([PYTHON, "-m", "jaxsora.config", "translate", given], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_fixture_readme_names_every_file():
