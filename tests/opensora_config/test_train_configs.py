@@ -261,3 +261,23 @@ def test_data_tools_stats_reads_an_open_sora_file(tmp_path):
     bad.write_text(pathlib.Path(path).read_text() + "\nema_decey = 0.9\n")
     with pytest.raises(ConfigError, match="ema_decey"):
         load_config(str(bad), [])
+
+
+def test_run_flags_and_data_path_from_the_file(tmp_path, capsys):
+    """`load`, `model.from_pretrained` and `start_from_scratch` in the file become --load / --ckpt-path /
+    --start-from-scratch unless the command line gives them (Open-Sora's merge_args: the flag wins); with
+    BatchFeatureDataset --data-path goes to data.features; the notes are printed once each."""
+    from jaxsora.cli import _opensora_argv
+
+    mine = _edit(tmp_path, "mine.py", "load = 'outputs/001-stage1'\nstart_from_scratch = True\n"
+                                      "model = dict(type='STDiT3-XL/2', from_pretrained='weights.pth')\n")
+    tr = translate_train(mine)
+    assert tr.flags == {"load": "outputs/001-stage1", "start_from_scratch": True, "ckpt_path": "weights.pth"}
+    known = {"load", "ckpt_path", "start_from_scratch", "data_path"}
+    argv = _opensora_argv("p", mine, tr, ["p", "--config", mine, "--ckpt_path=other.pth"], known)
+    assert sorted(argv[1:]) == ["--ckpt_path=other.pth", "--load=outputs/001-stage1", "--start_from_scratch"]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == len(tr.notes) and all(ln.startswith("[p] mine.py: ") for ln in err)
+    feat = translate_train(str(OFFICIAL / "train" / "stage1_feat.py"))
+    argv = _opensora_argv("p", "f.py", feat, ["p", "f.py", "--data_path", "/feats", "--config.optim.lr=1e-3"], known)
+    assert argv[1:] == ["f.py", "--config.data.features=/feats", "--config.optim.lr=1e-3"]
