@@ -6,4 +6,5 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.train.experiment = "stage1"
+    c.train.epochs = 1000  # the stage file's `epochs = 1000`: in practice train.max_steps ends the run
     return c

@@ -25,6 +25,7 @@ STAGE2_MASKS = {
 def get_config():
     c = base.get_config()
     c.train.experiment = "stage2"
+    c.train.epochs = 1000  # the stage file's `epochs = 1000`: in practice train.max_steps ends the run
     c.data.bucket_config = STAGE2_BUCKETS
     c.mask_ratios = STAGE2_MASKS
     c.optim.lr_schedule = "constant"

@@ -25,6 +25,7 @@ STAGE3_MASKS = {
 def get_config():
     c = base.get_config()
     c.train.experiment = "stage3"
+    c.train.epochs = 1000  # the stage file's `epochs = 1000`: in practice train.max_steps ends the run
     c.data.bucket_config = STAGE3_BUCKETS
     c.mask_ratios = STAGE3_MASKS
     return c

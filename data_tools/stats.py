@@ -51,11 +51,19 @@ def load_config(path: str, overrides: list[str]):
     bad = [a for a in overrides if a.startswith("-") and not a.startswith("--config.")]
     if bad:
         raise BadInput(f"unknown flag(s) {bad} (config overrides are --config.group.key=value)")
-    register_configs_package(path.split(":")[0])
     fv = flags.FlagValues()
-    argv = [PROG, f"--config={path}", *overrides]
-    # sys_argv: the overrides are found in the argv given, not in the process's sys.argv
-    config_flags.DEFINE_config_file("config", None, "config file", flag_values=fv, lock_config=True, sys_argv=argv)
+    from jaxsora.opensora_config import is_opensora_config, translate_train
+
+    if is_opensora_config(path):  # an Open-Sora 1.2 train config, read as `python -m jaxsora.train` reads it
+        argv = [PROG, *overrides]
+        config_flags.DEFINE_config_dict("config", translate_train(path).config(), "config", flag_values=fv,
+                                        lock_config=True, sys_argv=argv)
+    else:
+        register_configs_package(path.split(":")[0])
+        argv = [PROG, f"--config={path}", *overrides]
+        # sys_argv: the overrides are found in the argv given, not in the process's sys.argv
+        config_flags.DEFINE_config_file("config", None, "config file", flag_values=fv, lock_config=True,
+                                        sys_argv=argv)
     try:
         rest = fv(argv)
         config = fv.config

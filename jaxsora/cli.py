@@ -19,7 +19,37 @@ def _config_path(argv):
             return a.split("=", 1)[1]
         if a == "--config" and i + 1 < len(argv):
             return argv[i + 1]
+    if len(argv) > 1 and _positional_config(argv[1]):
+        return argv[1]
     return None
+
+
+def _positional_config(arg: str) -> bool:
+    """The first argument names the config file as Open-Sora's scripts take it (`train.py CONFIG ...`)."""
+    return not arg.startswith("-") and arg.split(":")[0].endswith(".py")
+
+
+def _with_config_flag(argv):
+    """argv with a positional config file (the first argument) spelled `--config FILE`."""
+    if len(argv) > 1 and _positional_config(argv[1]) and not any(
+            a == "--config" or a.startswith("--config=") for a in argv):
+        return [argv[0], "--config", argv[1], *argv[2:]]
+    return list(argv)
+
+
+def _without_config_flag(argv):
+    """argv less `--config FILE` / `--config=FILE` (the overrides --config.KEY=VALUE stay)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--config" and i + 1 < len(argv):
+            skip = True
+            continue
+        if not a.startswith("--config="):
+            out.append(a)
+    return out
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -88,7 +118,12 @@ def register_configs_package(path):
     while os.path.basename(folder) != "configs":
         parent = os.path.dirname(folder)
         if parent == folder:
-            return  # not under a configs/ folder: the file imports nothing of ours, or its own way
+            # not under a configs/ folder (e.g. a `python -m jaxsora.config translate` output saved anywhere):
+            # `from configs import base` is jaxsora's own configs/, unless a `configs` package is importable
+            folder = _own_configs_folder()
+            if folder is None or "configs" in sys.modules or importlib.util.find_spec("configs") is not None:
+                return
+            break
         folder = parent
     have = sys.modules.get("configs")
     if have is not None and os.path.abspath(list(getattr(have, "__path__", [""]))[0]) == folder:
@@ -102,6 +137,12 @@ def register_configs_package(path):
         del sys.modules[name]
     if spec.loader is not None:
         spec.loader.exec_module(module)
+
+
+def _own_configs_folder() -> str | None:
+    """The `configs/` folder of the jaxsora checkout this package runs from (None when installed without it)."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    return folder if os.path.isfile(os.path.join(folder, "base.py")) else None
 
 
 def _parse_flags(prog, argv):
@@ -172,6 +213,41 @@ def _print_help(prog: str, define_flags: Callable[[], None], dashed: Sequence[st
         print(f"  {flag_name:<{width}}  {text}")
 
 
+def _read_opensora(prog, path, argv):
+    """The Open-Sora file read into jaxsora terms (`jaxsora.opensora_config`); a mistake in it is one line."""
+    from jaxsora.errors import UserError
+    from jaxsora.opensora_config import translate_train
+
+    try:
+        return translate_train(path)
+    except UserError as e:
+        if debug_requested(argv):
+            raise
+        fail(prog, str(e))
+
+
+def _opensora_argv(prog, path, translation, argv, flag_values):
+    """argv for absl with an Open-Sora file: without `--config FILE` (its config is the flag's default), with the
+    run flags the file names (`load`, `model.from_pretrained` as --ckpt-path, `start_from_scratch`) unless the
+    command line gives them, and --data-path sent where the file's dataset reads it; the notes printed once."""
+    argv = _without_config_flag(argv)
+    given = {a.split("=", 1)[0].lstrip("-") for a in argv[1:] if a.startswith("--")}
+    for name, value in translation.flags.items():
+        if name in flag_values and name not in given:
+            argv.append(f"--{name}" if value is True else f"--{name}={value}")
+    if translation.data_path_key != "data.table":
+        for i, a in enumerate(argv):
+            if a == "--data_path" and i + 1 < len(argv):
+                argv[i:i + 2] = [f"--config.{translation.data_path_key}={argv[i + 1]}"]
+                break
+            if a.startswith("--data_path="):
+                argv[i] = f"--config.{translation.data_path_key}={a.split('=', 1)[1]}"
+                break
+    for note in translation.notes:
+        print(f"[{prog}] {os.path.basename(path)}: {note}", file=sys.stderr, flush=True)
+    return argv
+
+
 def config_app(prog: str, define_flags: Callable[[], None], body: Callable[[], int],
                dashed: Sequence[str] = ()) -> None:
     """Define `--config` and the command's flags, parse sys.argv (flags in `dashed` may be spelled
@@ -179,20 +255,32 @@ def config_app(prog: str, define_flags: Callable[[], None], body: Callable[[], i
     if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in sys.argv[1:]):
         _print_help(prog, define_flags, dashed)
         sys.exit(0)
+    sys.argv[:] = _with_config_flag(sys.argv)  # `python -m jaxsora.train FILE.py ...`, as Open-Sora's train.py
     path = _config_path(sys.argv)
     if path is None:
-        fail(prog, "--config is required, e.g. --config configs/stage1.py")
+        fail(prog, "--config is required, e.g. --config configs/stage1.py (or the file first: jaxsora.train FILE.py)")
     if not os.path.isfile(path.split(":")[0]):
         fail(prog, f"no such config file: {path.split(':')[0]}")
-    register_configs_package(path.split(":")[0])
+    from jaxsora.opensora_config import is_opensora_config
+
+    opensora = is_opensora_config(path)
+    if not opensora:
+        register_configs_package(path.split(":")[0])
     from absl import app, flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "config file (get_config() → ConfigDict)", lock_config=True)
-    flags.DEFINE_bool("debug", False, "show tracebacks for user errors too (also JAXSORA_DEBUG=1)")
-    define_flags()
     argv = [next((a.replace(d, "--" + d[2:].replace("-", "_")) for d in dashed if a.startswith(d)), a)
             for a in sys.argv]
+    flags.DEFINE_bool("debug", False, "show tracebacks for user errors too (also JAXSORA_DEBUG=1)")
+    define_flags()
+    if opensora:  # an Open-Sora (mmengine-style) file: read into the jaxsora config, its notes said once
+        translation = _read_opensora(prog, path, argv)
+        argv = _opensora_argv(prog, path, translation, argv, flags.FLAGS)
+        # sys_argv: the overrides (--config.KEY=VALUE) are looked up in the argv absl parses
+        config_flags.DEFINE_config_dict("config", translation.config(), "the Open-Sora config, read into jaxsora's",
+                                        lock_config=True, sys_argv=argv)
+    else:
+        config_flags.DEFINE_config_file("config", None, "config file (get_config() → ConfigDict)", lock_config=True)
 
     def run(_):
         from absl import logging as absl_logging

@@ -24,6 +24,7 @@ writes the files (the same files as one process with as many devices).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -44,11 +45,20 @@ def _score(v: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {v!r}") from None
 
 
+def _alias(group, flag: str, dest: str) -> None:
+    """An older spelling of a flag: it works, and --help shows only the flag's one name."""
+    group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
     g = ap.add_argument_group("checkpoint")
-    g.add_argument("ckpt", nargs="?", help="run folder, checkpoints/ folder, step folder or converted checkpoint")
-    g.add_argument("--ckpt", "--ckpt-path", dest="ckpt_opt", metavar="CKPT", help="the same as the positional CKPT")
+    g.add_argument("ckpt", nargs="?", metavar="CKPT_OR_CONFIG",
+                   help="run folder, checkpoints/ folder, step folder or converted checkpoint; or a config file "
+                        "(.py): an Open-Sora inference config (configs/opensora-v1-2/inference/sample.py) or a "
+                        "jaxsora config, whose values apply where no flag is given")
+    g.add_argument("--ckpt-path", dest="ckpt_opt", metavar="CKPT", help="the checkpoint (as the positional CKPT)")
+    _alias(g, "--ckpt", "ckpt_opt")
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     g.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="use the EMA weights when the checkpoint has them (default; --no-ema: the params)")
@@ -70,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("prompts")
     g.add_argument("--prompt", action="extend", nargs="+", default=[], help="prompt(s); repeatable")
-    g.add_argument("--prompt-path", "--prompt-file", dest="prompt_path", help="a text file, one prompt a line")
+    g.add_argument("--prompt-path", dest="prompt_path", help="a text file, one prompt a line")
+    _alias(g, "--prompt-file", "prompt_path")
     g.add_argument("--start-index", type=int, default=0, help="first line of --prompt-path (and first file number)")
     g.add_argument("--end-index", type=int, default=None, help="line after the last one of --prompt-path")
     g.add_argument("--num-sample", type=int, default=1, help="videos per prompt (names get -k)")
@@ -112,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk, 5 for the OpenSora VAE)")
 
     g = ap.add_argument_group("output")
-    g.add_argument("--output", "--save-dir", "--out", dest="save_dir", metavar="DIR", default="./samples/samples/",
+    g.add_argument("--output", dest="save_dir", metavar="DIR", default="./samples/samples/",
                    help="folder the videos and their .json sidecars are written to")
+    _alias(g, "--save-dir", "save_dir")  # Open-Sora's name
+    _alias(g, "--out", "save_dir")
     g.add_argument("--sample-name", default=None, help="file-name prefix (default 'sample')")
     g.add_argument("--prompt-as-path", action="store_true", help="name the files after the prompts")
     g.add_argument("--verbose", type=int, default=1, help="0: quiet, 1: progress bars (default)")
@@ -236,15 +249,102 @@ def _same_job(args, ckpt: str, step_dir: str, prompts: list[str], settings) -> s
     return find_step_dir(ckpt, first)
 
 
+def _given(argv: Sequence[str] | None) -> set[str]:
+    """The options (argparse dests) the command line gives, defaults aside."""
+    ap = build_parser()
+    for action in ap._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(ap.parse_args(argv)))
+
+
+_SIZE = ("image_size", "height", "width", "resolution", "aspect_ratio")
+
+
+@dataclasses.dataclass
+class ConfigDefaults:
+    """What a config file given to the sampler decides where no flag does."""
+    run_config: dict | None = None        # a jaxsora config: in place of the checkpoint's stored run config
+    use_timestep_transform: bool | None = None  # an Open-Sora inference config's scheduler
+    ckpt: str | None = None               # an Open-Sora config's model.from_pretrained
+    opensora: object = None               # the InferenceConfig
+
+
+def apply_config_file(path: str, args, given: set[str]) -> ConfigDefaults:
+    """The config file `path` (an Open-Sora inference config or a jaxsora config) into `args` wherever the command
+    line gave nothing: Open-Sora's merge order (a flag wins over the file). A size flag replaces the file's size
+    settings whole (resolution, aspect ratio, image size)."""
+    from jaxsora.opensora_config import is_opensora_config
+
+    if is_opensora_config(path):
+        from jaxsora.opensora_config.inference import read_inference
+
+        conf = read_inference(path)
+        values = dict(conf.args)
+        if given & set(_SIZE):
+            for k in _SIZE:
+                values.pop(k, None)
+        elif "image_size" in values:  # Open-Sora: image_size wins over resolution / aspect_ratio
+            values.pop("resolution", None)
+            values.pop("aspect_ratio", None)
+        if given & {"prompt", "prompt_path"}:
+            values.pop("prompt", None)
+            values.pop("prompt_path", None)
+        for dest, value in values.items():
+            if dest not in given:
+                setattr(args, dest, value)
+        if "vae" not in given and conf.vae:
+            args.vae = dict(conf.vae)
+        if "text_encoder" not in given and conf.text_encoder:
+            args.text_encoder = dict(conf.text_encoder)
+        if args.verbose >= 1:
+            for note in conf.notes:
+                print(f"[jaxsora.sample] {os.path.basename(path)}: {note}", file=sys.stderr, flush=True)
+        return ConfigDefaults(use_timestep_transform=conf.use_timestep_transform, ckpt=conf.ckpt, opensora=conf)
+    run_config = _jaxsora_config(path)
+    for group in ("vae", "text_encoder"):
+        if group not in given and run_config.get(group):
+            setattr(args, group, dict(run_config[group]))
+    sched = run_config.get("scheduler") or {}
+    return ConfigDefaults(run_config=run_config, use_timestep_transform=bool(sched.get("use_timestep_transform", True)))
+
+
+def _jaxsora_config(path: str) -> dict:
+    """A jaxsora config file's `get_config()` as a plain dict."""
+    import importlib.util
+
+    from jaxsora.cli import register_configs_package
+    from jaxsora.opensora_config.reader import plain
+
+    file = path.split(":")[0]
+    register_configs_package(file)
+    try:
+        spec = importlib.util.spec_from_file_location("_jaxsora_sample_config", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return plain(module.get_config())
+    except Exception as e:
+        raise BadInput(f"config file {file} does not load: {type(e).__name__}: {e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    defaults = ConfigDefaults()
+    if args.ckpt and args.ckpt.split(":")[0].endswith(".py"):
+        if not os.path.isfile(args.ckpt.split(":")[0]):
+            raise MissingFile(f"no such config file: {args.ckpt}")
+        config_file, args.ckpt = args.ckpt, None
+        defaults = apply_config_file(config_file, args, _given(argv))
     prompts = read_prompts(args)
     ckpt = args.ckpt_opt or args.ckpt
     if args.ckpt and args.ckpt_opt and args.ckpt != args.ckpt_opt:
-        raise BadInput(f"two checkpoints given ({args.ckpt} and --ckpt {args.ckpt_opt})")
+        raise BadInput(f"two checkpoints given ({args.ckpt} and --ckpt-path {args.ckpt_opt})")
+    if not ckpt and defaults.opensora is not None:
+        from jaxsora.opensora_config.inference import checkpoint_of
+
+        ckpt = checkpoint_of(defaults.opensora)
     if not ckpt:
         raise BadInput("give a checkpoint: python -m jaxsora.sample CKPT (a run folder, checkpoints/, a step folder "
-                       "or a converted checkpoint)")
+                       "or a converted checkpoint), or --ckpt-path CKPT with a config file")
     if args.num_sample < 1:
         raise BadInput(f"--num-sample must be at least 1, got {args.num_sample}")
     from jaxsora.parallel import compile_options
@@ -257,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsora.infer.locate import find_step_dir, read_run_config, vae_spec
 
     step_dir = find_step_dir(ckpt, args.step)
-    run_config = read_run_config(step_dir)
+    run_config = defaults.run_config or read_run_config(step_dir)
     vae_spec(args.vae, run_config)  # a converted checkpoint without --vae, a --vae path that is not there
     settings = make_settings(args, run_config)
     # Everything about the settings is checked before any weight is read.
@@ -287,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = default_mesh(args.dp_size, args.sp_size)
     pipe = Pipeline.load(step_dir, ema=args.ema, vae=args.vae, text_encoder=args.text_encoder, mesh=mesh,
                          dtype=args.dtype)
+    if defaults.run_config is not None:
+        pipe.run_config = defaults.run_config
+    if defaults.use_timestep_transform is not None:  # the config file's scheduler, not the checkpoint's
+        pipe.use_timestep_transform = defaults.use_timestep_transform
     if args.verbose >= 1 and jax.process_index() == 0:
         print(f"[jaxsora.sample] {pipe.step_dir} (step {pipe.step}, {pipe.weights} weights), "
               f"{len(prompts)} video(s), mesh {dict(mesh.shape)}", file=sys.stderr, flush=True)

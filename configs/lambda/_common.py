@@ -2,8 +2,9 @@
 (project sora_speedrun), checkpoints every 100 steps, outputs in outputs_speedrun."""
 
 
-def apply(c, *, experiment, lr, warmup=None, one_cycle=None, no_masks=False):
+def apply(c, *, experiment, lr, epochs, warmup=None, one_cycle=None, no_masks=False):
     c.train.experiment = experiment
+    c.train.epochs = epochs  # the stage file's `epochs` (5 in stages 1-3, 10 in 4-6): the run ends after them
     c.train.outputs = "outputs_speedrun"
     c.train.ckpt_every = 100
     c.optim.weight_decay = 0.01

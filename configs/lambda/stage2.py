@@ -9,4 +9,4 @@ _common = importlib.import_module("configs.lambda._common")  # 'lambda' is a Pyt
 
 def get_config():
     c = official.get_config()
-    return _common.apply(c, experiment="lambda-stage2", lr=1.6e-4, warmup=400)
+    return _common.apply(c, experiment="lambda-stage2", epochs=5, lr=1.6e-4, warmup=400)

@@ -9,4 +9,4 @@ _common = importlib.import_module("configs.lambda._common")  # 'lambda' is a Pyt
 
 def get_config():
     c = official.get_config()
-    return _common.apply(c, experiment="lambda-stage5", lr=1.6e-4, one_cycle=(1.6e-5, 6.4e-4), no_masks=True)
+    return _common.apply(c, experiment="lambda-stage5", epochs=10, lr=1.6e-4, one_cycle=(1.6e-5, 6.4e-4), no_masks=True)

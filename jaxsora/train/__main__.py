@@ -1,5 +1,9 @@
 """`python -m jaxsora.train --config configs/stage1.py [--config.key=value ...] [flags]`
 
+The config is a jaxsora config file (`get_config()`) or an Open-Sora 1.2 train config as it is
+(`python -m jaxsora.train configs/opensora-v1-2/train/stage1.py --data-path X.csv`: every key mapped,
+the ones meaningless here reported once, an unknown one refused; see `jaxsora.opensora_config`).
+
 Flags (the reference's names): --data-path X.csv, --load DIR (resume everything; DIR is a run
 folder, its checkpoints/ folder, one step folder or an experiment number — `--load 656` is the
 folder `<outputs>/656-*`; the run goes on writing into the loaded run's folder), --step N (with
@@ -52,6 +56,10 @@ def _body() -> int:
     # before jax is imported (train() runs them again with the rest of validate_config).
     from jaxsora.train.plan.validate import check_before_jax
 
+    if FLAGS.dry_run:  # what the run would be, before anything is checked (a user's first look at a config)
+        from jaxsora.config import format_config
+
+        print(f"resolved config:\n{format_config(FLAGS.config)}", flush=True)
     check_before_jax(FLAGS.config, FLAGS)
     from jaxsora.parallel.distributed import initialize
 
