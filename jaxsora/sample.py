@@ -1,5 +1,5 @@
 """`python -m jaxsora.sample CKPT`: text/image-to-video with a jaxsora checkpoint, with Open-Sora
-1.2's inference options (`scripts/inference.py`; spec §2.4, §8).
+1.2's inference options (as Open-Sora's `scripts/inference.py` takes them).
 
     python -m jaxsora.sample outputs/demo --prompt "a red circle moving right" --image-size 32 32 --num-frames 8
     python -m jaxsora.sample ckpt/ --vae pretrained_models/OpenSora-VAE-v1.2 \\

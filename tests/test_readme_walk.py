@@ -47,6 +47,8 @@ TRAIN_ONE = f"--config.train.max_steps=1 --config.train.log_every=1 {WALK_DEPTH}
 STAGE_CONFIGS = {"configs/stage1.py": "configs/demo.py", "configs/lambda/stage1.py": "configs/demo.py",
                  "configs/lambda/stage2.py": "configs/demo.py", "configs/lora_example.py": "configs/demo.py"}
 LAMBDA = {**STAGE_CONFIGS, "OpenVid1M.csv": "meta.csv"}
+# The folder of the LambdaLabs fork's config files in its checkout → our copies of them (tests/fixtures)
+OPEN_SORA_CONFIGS = f"{REPO}/tests/fixtures/opensora_configs/lambdalabs/configs/opensora-v1-2/"
 
 
 @dataclasses.dataclass
@@ -123,7 +125,8 @@ WALK: list[tuple[str, Walk | Skip]] = [
                                                      expect="data/train.csv", chain="data")),
     ("data_tools.stats --input data/train.csv", Walk(STAGE_CONFIGS, chain="data")),
     # --- Training (the README's quick start, then the Lambda recipe with its example names).
-    ("data/meta.csv --dry-run\n", Walk(STAGE_CONFIGS, WALK_DEPTH)),  # compiles each bucket: 13 s, 29 at depth 4
+    # the quick start's dry run compiles each bucket: 13 s, 29 at depth 4
+    ("stage1.py --data-path data/meta.csv --dry-run\n", Walk(STAGE_CONFIGS, WALK_DEPTH)),
     ("--data-path data/meta.csv\n", Walk(STAGE_CONFIGS, TRAIN_FAST, R1)),
     ("to-torch outputs/001-stage1/checkpoints", Walk({"outputs/001-stage1": R1}, expect="stdit3_stage1.pth")),
     ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(STAGE_CONFIGS, TRAIN_ONE, R2)),
@@ -139,6 +142,9 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("--data-path OpenVid1M.csv --load 2", Walk({**LAMBDA, "--load 2": "--load 4"}, TRAIN_FAST,
                                                R4 + "/checkpoints/2")),
     ("python -m jaxsora.runs", Walk()),
+    # Open-Sora's own config files (docs/training/coming-from-open-sora.md): the LambdaLabs fork's, checked in.
+    ("lambda/stage4.py --data-path data/meta.csv --dry-run", Walk({"configs/opensora-v1-2/": OPEN_SORA_CONFIGS})),
+    ("jaxsora.config translate", Walk({"configs/opensora-v1-2/": OPEN_SORA_CONFIGS}, expect="my_stage4.py")),
     ("JAX_PROCESS_ID=0", SKIP_HOSTS),
     ("JAX_PROCESS_ID=1", SKIP_HOSTS),
     ("srun python", SKIP_HOSTS),

@@ -508,7 +508,7 @@ def _vae_path(value, ctx, key, present):
 
 
 def _micro_frame(value, ctx, key, present):
-    if value != 17:  # the OpenSora VAE v1.2's temporal chunk (spec §3.1); the latents depend on it
+    if value != 17:  # the OpenSora VAE v1.2's temporal chunk (its `micro_frame_size`); the latents depend on it
         ctx.fail(f"{key} = {value!r}: jaxsora's OpenSora VAE encodes 17-frame chunks (the latents depend on it)")
 
 
