@@ -29,8 +29,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxsora.cli import ArgumentParser  # noqa: E402
-from jaxsora.cli import HelpFormatter as _Help  # noqa: E402
+from jaxsora.cli import ArgumentParser, hidden_aliases
+from jaxsora.cli import HelpFormatter as _Help
 from jaxsora.errors import BadInput, MissingFile, run_cli
 
 _UNSET = object()  # --aes/--flow not given (None means "append nothing")
@@ -45,11 +45,6 @@ def _score(v: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {v!r}") from None
 
 
-def _alias(group, flag: str, dest: str) -> None:
-    """An older spelling of a flag: it works, and --help shows only the flag's one name."""
-    group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
     g = ap.add_argument_group("checkpoint")
@@ -57,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folder, checkpoints/ folder, step folder or converted checkpoint; or a config file "
                         "(.py): an Open-Sora inference config (configs/opensora-v1-2/inference/sample.py) or a "
                         "jaxsora config, whose values apply where no flag is given")
-    g.add_argument("--ckpt-path", dest="ckpt_opt", metavar="CKPT", help="the checkpoint (as the positional CKPT)")
-    _alias(g, "--ckpt", "ckpt_opt")
+    hidden_aliases(g, g.add_argument("--ckpt-path", dest="ckpt_opt", metavar="CKPT",
+                                     help="the checkpoint (as the positional CKPT)"), "--ckpt")
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     g.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="use the EMA weights when the checkpoint has them (default; --no-ema: the params)")
@@ -80,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("prompts")
     g.add_argument("--prompt", action="extend", nargs="+", default=[], help="prompt(s); repeatable")
-    g.add_argument("--prompt-path", dest="prompt_path", help="a text file, one prompt a line")
-    _alias(g, "--prompt-file", "prompt_path")
+    hidden_aliases(g, g.add_argument("--prompt-path", dest="prompt_path", help="a text file, one prompt a line"),
+                   "--prompt-file")
     g.add_argument("--start-index", type=int, default=0, help="first line of --prompt-path (and first file number)")
     g.add_argument("--end-index", type=int, default=None, help="line after the last one of --prompt-path")
     g.add_argument("--num-sample", type=int, default=1, help="videos per prompt (names get -k)")
@@ -123,10 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk, 5 for the OpenSora VAE)")
 
     g = ap.add_argument_group("output")
-    g.add_argument("--output", dest="save_dir", metavar="DIR", default="./samples/samples/",
-                   help="folder the videos and their .json sidecars are written to")
-    _alias(g, "--save-dir", "save_dir")  # Open-Sora's name
-    _alias(g, "--out", "save_dir")
+    output = g.add_argument("--output", dest="save_dir", metavar="DIR", default="./samples/samples/",
+                            help="folder the videos and their .json sidecars are written to")
+    hidden_aliases(g, output, "--save-dir", "--out")  # --save-dir: Open-Sora's name
     g.add_argument("--sample-name", default=None, help="file-name prefix (default 'sample')")
     g.add_argument("--prompt-as-path", action="store_true", help="name the files after the prompts")
     g.add_argument("--verbose", type=int, default=1, help="0: quiet, 1: progress bars (default)")

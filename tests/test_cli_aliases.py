@@ -21,7 +21,12 @@ CASES = [
     ("data_tools.precompute", ["--text-encoder", "{}", "--output", "c"], "--input", "--table", "m.csv", [], "table"),
     ("data_tools.precompute", ["--input", "m.csv", "--text-encoder", "{}"], "--output", "--out", "c", [], "out"),
     ("data_tools.precompute", ["--latents", "--output", "c"], "--num-workers", "--workers", "3", [], "workers"),
+    ("jaxsora.sample", [], "--ckpt-path", "--ckpt", "r", [], "ckpt_opt"),
+    ("jaxsora.sample", [], "--prompt-path", "--prompt-file", "p.txt", [], "prompt_path"),
+    ("jaxsora.sample", [], "--output", "--save-dir", "o", [], "save_dir"),
+    ("jaxsora.sample", [], "--output", "--out", "o", [], "save_dir"),
 ]
+OPTIONAL = ("jaxsora.ckpt", "data_tools.shard", "jaxsora.sample")  # their canonical flag is not required
 # Each command's --help: the canonical spelling listed, the older one not.
 HELP = [("jaxsora.tools.average", [], "--output", "--out "),
         ("jaxsora.tools.lora", ["merge"], "--ckpt-path", "--ckpt "),
@@ -29,7 +34,9 @@ HELP = [("jaxsora.tools.average", [], "--output", "--out "),
         ("jaxsora.serve", [], "--runs", "--expnums"),
         ("data_tools.shard", [], "--output", "--out-dir"),
         ("data_tools.precompute", [], "--num-workers", "--workers"),
-        ("jaxsora.tools.search_bs", [], "--output", "--out ")]
+        ("jaxsora.tools.search_bs", [], "--output", "--out "),
+        ("jaxsora.sample", [], "--prompt-path", "--prompt-file"),
+        ("jaxsora.sample", [], "--output", "--save-dir")]
 
 SCRIPT = textwrap.dedent("""
     import contextlib, io, json, sys
@@ -62,7 +69,7 @@ def test_an_alias_sets_what_its_canonical_flag_sets():
         target, _, canonical, alias, value, _, _ = case
         want = [value] if canonical == "--runs" else (int(value) if value.isdigit() else value)
         assert got["values"] == [want, want], (case, got)
-        if canonical in ("--output", "--ckpt-path", "--runs") and target not in ("jaxsora.ckpt", "data_tools.shard"):
+        if canonical in ("--output", "--ckpt-path", "--runs") and target not in OPTIONAL:
             assert got["code"] == 2, (case, got)
             lines = got["err"].strip().splitlines()
             assert len(lines) == 1 and f"required: {canonical}" in lines[0], (case, got)
