@@ -15,7 +15,8 @@ the trainer; the parent:
   to it (so each reaches it once: a terminal's Ctrl-C, `jaxsora.cluster stop`, the test launcher); the
   child is killed with the parent (PR_SET_PDEATHSIG): a lost host takes both;
 - reads the child's stderr through a pipe and copies it to its own `HOLD` seconds late; once jaxlib's
-  termination text appears, it holds everything back;
+  termination text (or what its other threads print when the service is gone) appears, it holds
+  everything back;
 - when the child ends: with an exit code, copies the rest and exits with the same code (0, 75 stopped,
   76 a lost peer the trainer reported itself, ...); terminated after jaxlib's termination text (a lost
   peer): prints the trainer's one line — the lost process named from jaxlib's status (process 0 when the
@@ -44,7 +45,7 @@ import time
 from jaxsora.errors import EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_STOPPED, EXIT_USER_ERROR
 
 ENV = "JAXSORA_AGENT"
-HOLD = 2.0  # seconds the child's stderr is held back: jaxlib prints its termination text within ms of the abort
+HOLD = 1.0  # seconds the child's stderr is held back: jaxlib prints its termination text within ms of the abort
 RATTLE_WAIT = 30.0  # after jaxlib's termination text, how long the child may take to end before the text is let out
 LOST_DIR = "lost-peer"  # <run>/lost-peer/<process>.txt: what the parent held back
 _FORWARD = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
@@ -52,6 +53,9 @@ _FORWARD = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _OWN_CODES = (0, EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_STOPPED, EXIT_PEER_LOST)
 # What jaxlib's coordination client prints when it terminates the process (client.h, coordination_service_agent.cc).
 RATTLE = re.compile(rb"JAX distributed service detected fatal errors|Polled an error from coordination service")
+# What precedes it when the service is gone (other threads of jaxlib's client): from then on nothing is let out
+# until the child ends, or lives on for RATTLE_WAIT seconds.
+FREEZE = re.compile(RATTLE.pattern + rb"|from coordination service: UNAVAILABLE|Failed to send RPC to coordination")
 # The shared page: step (-1: none yet), process id, process count, run folder's length, the run folder (utf-8).
 _HEAD = struct.Struct("<qqqI")
 _PAGE = 4096
@@ -186,7 +190,7 @@ def supervise(child: int, r: int, board, *, hold: float = HOLD, rattle_wait: flo
         if data:
             tail = held[-1][1][-256:] if held else b""
             held.append((now, data))
-            if frozen is None and RATTLE.search(tail + data):
+            if frozen is None and FREEZE.search(tail + data):
                 frozen = now
         if frozen is not None and now - frozen > rattle_wait:
             frozen = None  # the child lives on: not its end after all

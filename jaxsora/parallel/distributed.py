@@ -13,8 +13,9 @@ jax.distributed is not started.
 
 What jaxsora adds to jax: one-line errors (exit code 2) for inconsistent settings, a line saying where
 the settings came from (printed before connecting, so a hang or a timeout shows what was tried), the
-single-process path, the initialization timeout (JAXSORA_INIT_TIMEOUT, default jax's 300 s), and two
-corrections of jax's detection:
+single-process path, the initialization timeout (JAXSORA_INIT_TIMEOUT, default jax's 300 s), the peer watch
+(`jaxsora.parallel.peers`: a lost process ends the others in one line, exit 76), for the trainer a parent
+process that reports its end however it ends (`jaxsora.parallel.agent`), and two corrections of jax's detection:
   - jax restricts every process of a detected SLURM / Open MPI job to one GPU (its local rank). jaxsora
     runs one process per node driving all its GPUs (launch/slurm.sbatch), so with one process on each
     node nothing is restricted; with several per node jax's one-GPU-per-process default stays.

@@ -122,7 +122,8 @@ def test_a_lost_process_is_named_with_its_host_and_time(cluster, capsys):
     rows = {line.split()[0]: line for line in out.splitlines()[2:5]}
     assert "exited 76 (another process was lost: --load resumes)" in rows["h0"], rows["h0"]
     assert "exited 137 (killed (SIGKILL or out of memory))" in rows["h1"], rows["h1"]
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    beat = json.load(open(os.path.join(cluster.run, "heartbeat", "0.json")))
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat["time"]))  # when process 0 stopped
     lines = [ln for ln in out.splitlines() if "lost process" in ln]
     assert len(lines) == 1, out
     assert lines[0].startswith(f"warning: lost process 1 (host h1) at {when}"), lines[0]

@@ -161,3 +161,15 @@ def test_the_board_carries_step_and_run_folder():
     finally:
         agent._board = saved
     assert agent.read_board(board) == (12, 3, 4, "/some/run")
+
+
+def test_a_service_hiccup_then_another_death_is_not_a_lost_peer(tmp_path, capfd):
+    """jaxlib's other threads' lines (the service unreachable) hold the output back, but without jaxlib's
+    termination text a death by SIGKILL (the OOM killer) stays itself: 137, every line copied."""
+    board, _ = _board(tmp_path)
+    hiccup = COORDINATOR_GONE.splitlines()[0]
+    proc, r = _child(f"import os, sys; sys.stderr.write({json.dumps(hiccup + chr(10))}); sys.stderr.flush(); "
+                     f"os.kill(os.getpid(), 9)")
+    with _parent_signals():
+        assert agent.supervise(proc.pid, r, board, hold=0.2) == 137
+    assert capfd.readouterr().err == hiccup + "\n"

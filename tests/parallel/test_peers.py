@@ -212,3 +212,31 @@ def test_the_line_and_the_newest_intact_checkpoint(tmp_path):
     assert "lost a peer of 4" in peers.lost_line([], 4, 3, "x", None, str(run), None)
     assert "before its first step" in peers.lost_line([], 4, 3, "x", None, str(run), None)
     assert "no checkpoint was written yet" in peers.lost_line([0], 2, 1, "x", 3, str(run), None)
+
+
+def test_a_peer_failing_with_its_own_error_stops_the_others_naming_it(verdicts):
+    store = SlowStore(delay=0.0)
+    store.data["jaxsora/alive/1"] = "failed"
+    watch = PeerWatch(store, process_id=0, num_processes=2, timeout=60.0, interval=0.05)
+    watch.start()
+    assert watch.fired.wait(5)
+    watch.stop()
+    assert verdicts[0] == ([1], "it stopped with an error: see its log")
+
+
+def test_a_failing_process_says_so_and_waits_for_nobody(verdicts):
+    """Every process failing alike (a user error they all meet): each says `failed`, none takes the others'
+    word for a lost peer, and none waits for the others at exit."""
+    store = SlowStore(delay=0.0)
+    peer = LivePeer(store, 1, last="failed")
+    peer.start()
+    watch = PeerWatch(store, process_id=0, num_processes=2, timeout=60.0, interval=0.05)
+    watch.start()
+    time.sleep(0.2)
+    watch.failing()
+    peer.halt.set()  # the peer fails too
+    peer.join()
+    assert store.data["jaxsora/alive/0"] == "failed" and not watch.is_alive()
+    t = time.monotonic()
+    watch.finish(limit=30)
+    assert time.monotonic() - t < 1 and store.data["jaxsora/alive/0"] == "failed" and not verdicts

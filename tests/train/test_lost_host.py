@@ -38,9 +38,9 @@ REPEAT = int(os.environ.get("JAXSORA_LOST_HOST_REPEAT", "1") or 1)
 MOMENTS = ("before-first-step", "mid-step", "mid-checkpoint-write", "during-eval", "at-the-end")
 CASES = [(m, v) for m in MOMENTS for v in (0, 1)]
 # What a survivor may print on stderr besides its one line, from its normal course (its stderr comes through
-# its parent a moment late): the compile's progress bar (its last state ends with "\r", not a line), the eval
-# data's caption note.
-BENIGN = re.compile(r"^\s*$|^compiling the train step|^\[jaxsora\.data\] ")
+# its parent up to a second late): the compile's progress bar (its last state ends with "\r", not a line), the
+# eval data's caption note, the note of a resumed run that takes over the lock its killed predecessor left.
+BENIGN = re.compile(r"^\s*$|^compiling the train step|^\[jaxsora\.data\] |^\[jaxsora\] taking over the stale lock")
 
 
 class Proc:
