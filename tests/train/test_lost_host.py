@@ -12,7 +12,11 @@ same run never interrupted. So every resume of the chain is checked to be exact,
 rate schedule, a warmup, does not depend on the run's length).
 
 `make test` runs the chain once; JAXSORA_LOST_HOST_REPEAT=N runs it N times (a stress run: which sign of a
-death comes first is a race), the victims' order swapped every other time.
+death comes first is a race), the victims' order swapped every other time. Measured 2026-11-28 on the shared
+2-core host (load 7-11): REPEAT=4, 40 of 40 kills passed and the 4 chains resumed bit-exactly; survivors were
+out 0.3-1.0 s after process 0's kill (its parent reporting jaxlib's abort) and 4.7-5.9 s after process 1's
+(the watch, timeout 5 s; in the runs instrumented, Gloo's "AllGather failed: Connection reset by peer" had
+reached the survivor's step first each time); 11 min 17 s in all, one chain alone 3-4 min.
 """
 import json
 import os
