@@ -1,9 +1,11 @@
 """`status`: every host's GPUs (nvidia-smi), its trainer (alive? exit code) and the run's progress
-(step and heartbeat age from `<run>/heartbeat/<process>.json`)."""
+(step and heartbeat age from `<run>/heartbeat/<process>.json`); a lost process — which one, on which host,
+when, and the checkpoint to resume from — from the survivors' heartbeats (phase "lost-peer")."""
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from jaxsora.cluster import records, remote
 from jaxsora.cluster.hosts import log_name
@@ -83,6 +85,8 @@ def host_row(result: remote.Result, target: records.Target, beats: dict[int, dic
         now = remote.parse_date(result.field("now"))
         row["step"] = hb.get("step")
         row["phase"] = hb.get("phase")  # before the first step: starting, compiling, restoring, initializing
+        if hb.get("phase") == "lost-peer":  # this trainer stopped because another process was lost
+            row.update(lost=hb.get("lost"), lost_at=hb.get("time"), newest_checkpoint=hb.get("newest_checkpoint"))
         row["heartbeat_age"] = (now - float(hb["time"])) if now is not None and "time" in hb else None
         if target.pid is None:
             row["pid"] = hb.get("pid")
@@ -92,7 +96,12 @@ def host_row(result: remote.Result, target: records.Target, beats: dict[int, dic
 def gather(ctx, targets: dict[str, records.Target]) -> list[dict]:
     results = remote.run_all(ctx.runner, ctx.hosts, lambda i, h: script(targets[h], ctx), ctx.timeout)
     beats = records.parse_heartbeats([ln for r in results for ln in r.fields().get("heartbeats", [])])
-    return [host_row(r, targets[r.host], beats) for r in results]
+    rows = [host_row(r, targets[r.host], beats) for r in results]
+    hosts = {t.process: h for h, t in targets.items() if t.process is not None}
+    for row in rows:  # the lost processes' hosts: the launch's record, else their last heartbeat
+        if row.get("lost") is not None:
+            row["lost_hosts"] = {str(i): hosts.get(i) or (beats.get(i) or {}).get("host") for i in row["lost"]}
+    return rows
 
 
 def _fmt(v, spec=".0f", unit=""):
@@ -153,6 +162,21 @@ def warnings(rows: list[dict], stale: float) -> list[str]:
             at = f"step {r['step']}" if r.get("step") is not None else r.get("phase") or "no step yet"
             out.append(f"{r['host']}: no heartbeat for {r['heartbeat_age']:.0f}s ({at}): "
                        f"hung? `dump` shows its stacks")
+    said = set()
+    for r in rows:  # one line per loss, whichever survivors reported it
+        if r.get("lost") is None:
+            continue
+        lost = tuple(r["lost"])
+        if lost in said:
+            continue
+        said.add(lost)
+        seen = [x["host"] for x in rows if x.get("lost") is not None and tuple(x["lost"]) == lost]
+        who = ", ".join(f"process {i} (host {r.get('lost_hosts', {}).get(str(i)) or '?'})" for i in lost) or "a peer"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["lost_at"])) if r.get("lost_at") else "?"
+        at = f"step {r['step']}" if r.get("step") is not None else "before the first step"
+        resume = (f"--load resumes from step {r['newest_checkpoint']}" if r.get("newest_checkpoint") is not None
+                  else "no checkpoint yet: start the run again")
+        out.append(f"lost {who} at {when} ({at}); {', '.join(seen)} stopped (exit code 76); {resume}")
     steps = [r["step"] for r in rows if r.get("step") is not None]
     if steps and max(steps) != min(steps):
         out.append(f"steps differ between hosts ({min(steps)}..{max(steps)}): heartbeats are written each log "

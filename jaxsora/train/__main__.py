@@ -63,7 +63,8 @@ def _body() -> int:
     check_before_jax(FLAGS.config, FLAGS)
     from jaxsora.parallel.distributed import initialize
 
-    initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    # a multi-process run's trainer gets a parent that reports its end, however it ends (jaxsora.parallel.agent)
+    initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, agent=True)
     from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 
     opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, step=FLAGS.step, ckpt_path=FLAGS.ckpt_path,
@@ -74,6 +75,13 @@ def _body() -> int:
     except NonFiniteError as e:  # the run's own verdict, not a bug: one line
         print(f"[jaxsora] stopped: {e}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+    except BaseException as e:
+        from jaxsora.errors import debug_requested
+        from jaxsora.parallel import peers
+
+        if peers.is_failing():  # this process's own error in a multi-process run: its peers stop, naming it
+            peers.leave(PROG, e, debug=debug_requested(sys.argv))  # not through jax's exit-time shutdown
+        raise
     if opts.dry_run:
         return 0
     if summary.get("stopped_by_signal"):

@@ -100,3 +100,31 @@ def test_phase_before_the_first_step_and_what_an_exit_code_means(cluster, capsys
     assert f"{gone.pid} exited 75 (stopped: --load resumes)" in rows["h1"], rows["h1"]
     assert cluster.cli(hosts, "status", "--stale", "0") == 0
     assert "h0: no heartbeat for 0s (compiling)" in capsys.readouterr().out
+
+
+def test_a_lost_process_is_named_with_its_host_and_time(cluster, capsys):
+    """The survivors' heartbeats (phase "lost-peer", written as they stop) say which process was lost; its own
+    last heartbeat or the launch record gives its host."""
+    hosts = cluster.hosts("h0", "h1", "h2", nvidia=False)
+    os.makedirs(cluster.logdir)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    records.write_pids(cluster.logdir, dict(run=cluster.run, hosts=[
+        dict(host=h, process=i, pid=gone.pid, start="1") for i, h in enumerate(("h0", "h1", "h2"))]))
+    for i, h in enumerate(("h0", "h1", "h2")):
+        with open(os.path.join(cluster.logdir, f"{h}.exit"), "w") as f:
+            f.write("137\n" if i == 1 else "76\n")
+    write_heartbeat(cluster.run, 1, 40)
+    for i in (0, 2):
+        write_heartbeat(cluster.run, i, 41, phase="lost-peer", lost=[1], newest_checkpoint=40)
+    assert cluster.cli(hosts, "status") == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:5]}
+    assert "exited 76 (another process was lost: --load resumes)" in rows["h0"], rows["h0"]
+    assert "exited 137 (killed (SIGKILL or out of memory))" in rows["h1"], rows["h1"]
+    beat = json.load(open(os.path.join(cluster.run, "heartbeat", "0.json")))
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat["time"]))  # when process 0 stopped
+    lines = [ln for ln in out.splitlines() if "lost process" in ln]
+    assert len(lines) == 1, out
+    assert lines[0].startswith(f"warning: lost process 1 (host h1) at {when}"), lines[0]
+    assert lines[0].endswith("(step 41); h0, h2 stopped (exit code 76); --load resumes from step 40"), lines[0]

@@ -19,7 +19,7 @@ import jax
 
 from jaxsora.checkpoint import restore
 from jaxsora.errors import UserError
-from jaxsora.parallel import peers
+from jaxsora.parallel import agent, peers
 from jaxsora.train.contracts import Loader
 from jaxsora.train.plan import memory
 from jaxsora.train.plan.memory import EmptyPlanError  # noqa: F401  (re-exported)
@@ -120,8 +120,10 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
         # `python -m jaxsora.cluster dump` (or kill -USR2) → every thread's stack in <run>/stacks/;
         # the heartbeat gives `cluster status` this process's pid while it compiles.
         register_stack_dump(outdir, jax.process_index())
+        steps.progress["step"] = None
         if jax.process_count() > 1:
             peers.on_lost(_lost_peer_handler(outdir))
+            agent.note_run(outdir)  # for the line of this host's trainer parent, if jaxlib ends this process
         write_heartbeat(outdir, jax.process_index(), None, phase="starting")
         setup = setup_run(config)
         loader = (loader_factory or default_loader)(config, setup.data_parallel_size, setup.encoders.text_inputs)
@@ -138,7 +140,9 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
                 started = True
                 result = run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, evaluator)
         except BaseException as e:  # the last heartbeat says how the run ended (`jaxsora.runs`, `cluster status`)
-            peers.await_verdict(e)  # a collective failed because a peer is gone: the peer watch ends the process
+            # a collective failed, or a peer is suspect: the peer watch names the lost process and ends this one
+            peers.await_verdict(e)
+            peers.failing()  # else the error is this process's own: its peers stop too, naming it
             if not (isinstance(e, UserError) and not started):  # a refusal leaves no heartbeat (undone below)
                 write_heartbeat(outdir, jax.process_index(), None,
                                 phase="non-finite" if isinstance(e, NonFiniteError) else "failed")
@@ -160,24 +164,21 @@ def train(config, opts: RunOptions, *, loader_factory: Callable[..., Loader] | N
 def _lost_peer_handler(outdir: str):
     """What a surviving process says and writes when another process of the run is lost
     (`jaxsora.parallel.peers`): one line naming it, the step, and the checkpoint to resume from; the
-    heartbeat's phase "lost-peer"; exit code EXIT_PEER_LOST."""
+    heartbeat's phase "lost-peer"; exit code EXIT_PEER_LOST — through `os._exit`, so that nothing else runs
+    on the way out (jax's exit-time `distributed.shutdown()` would wait for the lost peer and abort)."""
     import sys
 
-    from jaxsora.checkpoint import INTEGRITY_FILE, checkpoint_steps
     from jaxsora.errors import EXIT_PEER_LOST
 
     def handler(lost: list, why: str) -> None:
         step = steps.progress["step"]
-        root = os.path.join(outdir, "checkpoints")
-        intact = [s for s in checkpoint_steps(root) if os.path.isfile(os.path.join(root, str(s), INTEGRITY_FILE))]
-        newest = max(intact) if intact else None
+        newest = peers.newest_intact(outdir)
         write_heartbeat(outdir, jax.process_index(), step, phase="lost-peer", lost=list(lost),
                         newest_checkpoint=newest)
-        resume = (f"resume every process with --load {outdir} (newest intact checkpoint: step {newest})"
-                  if newest is not None else "no checkpoint was written yet: start the run again")
-        who = ", ".join(str(i) for i in lost)
-        print(f"[jaxsora] lost process {who} of {jax.process_count()} ({why}) at step {step}: process "
-              f"{jax.process_index()} stops (exit code {EXIT_PEER_LOST}); {resume}", file=sys.stderr, flush=True)
+        tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+        cut = "\n" if tqdm is not None and getattr(tqdm, "_instances", None) else ""  # a progress bar's line is open
+        print(cut + peers.lost_line(lost, jax.process_count(), jax.process_index(), why, step, outdir, newest),
+              file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
 
     return handler

@@ -21,7 +21,7 @@ import jax
 
 from jaxsora.checkpoint import Checkpointer
 from jaxsora.data import text_length
-from jaxsora.parallel import agree
+from jaxsora.parallel import agent, agree
 from jaxsora.train.plan import memory
 from jaxsora.train.run.setup import plain
 from jaxsora.train.run.supervise import StopRequested, Watchdog, write_heartbeat
@@ -47,7 +47,7 @@ class NonFiniteError(RuntimeError):
     """Training stopped after `train.max_nonfinite_steps` rejected steps in a row."""
 
 
-# The newest step dispatched by `run_steps` (what a lost-peer exit reports).
+# The newest step dispatched by `run_steps`, or the step its state started at (what a lost-peer exit reports).
 progress = {"step": None}
 
 
@@ -103,8 +103,6 @@ def run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, ev
     """The steps of a run whose state is on the mesh: dispatch, log, evaluate, save; the summary dict
     `train()` returns."""
     from jaxsora.models.lora import LoRASpec
-
-    progress["step"] = None
     from jaxsora.train.plan.mfu import peak_flops, train_flops_per_sample
     from jaxsora.train.run.logging import MetricLogger
 
@@ -132,6 +130,8 @@ def run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, ev
     pending: list = []  # (device metrics, host facts) of the steps since the last fetch
     in_flight: collections.deque = collections.deque()  # (loss, host facts, iteration start) of queued steps
     step = int(jax.device_get(state.step))
+    progress["step"] = step  # the state's step until the next one is dispatched
+    agent.note_step(step)
     flops_cache: dict = {}
     frozen_base = LoRASpec.from_config(config.get("lora")) is not None  # LoRA: no weight gradients of the base
 
@@ -242,6 +242,7 @@ def run_steps(setup, loader, state, wandb_id, outdir, opts, profile, buckets, ev
                 step += 1
                 dispatched += 1
                 progress["step"] = step
+                agent.note_step(step)
                 pending.append((metrics, facts))
                 # train.epochs: the last batch of the last epoch was dispatched
                 data_done = bool(epochs) and int(host.get("epoch", 0)) >= epochs - 1 and \

@@ -4,7 +4,9 @@ one-owner lock of a run folder.
 - `Watchdog`: times each phase of the loop — waiting for the loader's next batch ("data") and
   dispatching/finishing a step ("step") — and when one runs far past its usual time, prints which
   phase is stuck and every thread's stack (faulthandler), then asks the loader's worker processes
-  for theirs (SIGUSR1, only to children that installed a handler for it). Never kills the run.
+  for theirs (SIGUSR1, only to children that installed a handler for it). Never kills the run; in a
+  multi-process run whose peer is suspect it first waits for the peer watch's verdict
+  (`jaxsora.parallel.peers.settle`), which ends the run in one line when that peer is lost.
 - `StopRequested`: SIGTERM/SIGINT → finish the current step, checkpoint, exit cleanly. With many
   processes, SIGTERM is left to JAX's preemption service: a notice on any host makes every host
   reach the same sync step (`multihost_utils.reached_preemption_sync_point`), where all of them
@@ -105,6 +107,11 @@ class Watchdog:
             self._report(phase)
 
     def _report(self, phase: str) -> None:
+        from jaxsora.parallel import peers
+
+        # A collective that waits for a dead peer is the peer watch's to report (one line, exit 76): when a
+        # peer is suspect, its verdict comes first (and ends the process).
+        peers.settle()
         out = self.stream or sys.stderr
         hist = self.times.get(phase, [])
         usual = f"median {np.median(hist[-_HISTORY:]):.2f}s" if hist else "no earlier sample"
@@ -183,13 +190,19 @@ class RunLockedError(UserError):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs on this host. A zombie does not: a trainer killed with its parent (a lost host's
+    trainer, `jaxsora.parallel.agent`) stays one until init reaps it, and holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (not Linux), or gone meanwhile
+        return True
 
 
 class RunLock:
