@@ -1,4 +1,4 @@
-"""launch/slurm.sbatch acts on its tasks' exit codes (issue #54): a lost process (the survivors' 76, the lost
+"""launch/slurm.sbatch acts on its tasks' exit codes: a lost process (the survivors' 76, the lost
 task's 137 or no code at all) or a stop (75) requeues the job, which starts again with --load from the newest
 intact checkpoint; a task's error of its own (1, 2, 3) is not requeued. The script runs for real under bash;
 srun, scontrol and the trainer are stand-ins on PATH (srun runs each task's command here, one after another)."""

@@ -1,4 +1,4 @@
-"""A lost host, whichever it is and whenever it dies (issue #54): two-process CPU runs, and each process id
+"""A lost host, whichever it is and whenever it dies: two-process CPU runs, and each process id
 killed with SIGKILL (its trainer's parent and the trainer: a host gone) at each moment of a run — before the
 first step, mid-step, mid-checkpoint-write, during an eval, at the end. Each time the survivor prints one
 line naming the lost process and the newest intact checkpoint, exits with EXIT_PEER_LOST (76) within the

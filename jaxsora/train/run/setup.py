@@ -237,8 +237,8 @@ def _lora_weights_source(setup: RunSetup, path: str) -> lora_lib.LoRASpec | None
         want = "no LoRA" if run is None else f"rank {run.rank}, alpha {run.alpha:g}, targets {','.join(run.targets)}"
         raise lora_lib.LoRAError(
             f"--ckpt-path {path} is a LoRA checkpoint ({have}) and this run has {want}: merge its adapters into "
-            f"the base first (python -m jaxsora.tools.lora merge --ckpt-path {path} --output DIR) and start from DIR, or "
-            f"use the same lora settings to go on training these adapters")
+            f"the base first (python -m jaxsora.tools.lora merge --ckpt-path {path} --output DIR) and start from "
+            f"DIR, or use the same lora settings to go on training these adapters")
     return source
 
 
