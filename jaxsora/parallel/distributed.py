@@ -15,7 +15,8 @@ What jaxsora adds to jax: one-line errors (exit code 2) for inconsistent setting
 the settings came from (printed before connecting, so a hang or a timeout shows what was tried), the
 single-process path, the initialization timeout (JAXSORA_INIT_TIMEOUT, default jax's 300 s), the peer watch
 (`jaxsora.parallel.peers`: a lost process ends the others in one line, exit 76), for the trainer a parent
-process that reports its end however it ends (`jaxsora.parallel.agent`), and two corrections of jax's detection:
+process that reports its end however it ends (`before_connect`: `jaxsora.train.run.agent`), and two corrections
+of jax's detection:
   - jax restricts every process of a detected SLURM / Open MPI job to one GPU (its local rank). jaxsora
     runs one process per node driving all its GPUs (launch/slurm.sbatch), so with one process on each
     node nothing is restricted; with several per node jax's one-GPU-per-process default stays.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Callable
 
 from jaxsora.errors import UserError
 
@@ -192,13 +194,13 @@ def _timeout(timeout: int | None) -> int:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, timeout: int | None = None, agent: bool = False) -> bool:
+               process_id: int | None = None, timeout: int | None = None,
+               before_connect: Callable[[int, int], None] | None = None) -> bool:
     """Initialize jax.distributed once if this is a multi-process run; returns whether it is initialized.
 
     `timeout`: seconds to wait for every process to connect (default: JAXSORA_INIT_TIMEOUT, else 300).
-    `agent`: a multi-process run's process becomes the parent of the rest of this command, which goes on in
-    a child (`jaxsora.parallel.agent`: the trainer's end, whatever ends it, said in one line with its exit
-    code), unless JAXSORA_AGENT=0.
+    `before_connect(process_id, num_processes)`: called in a multi-process run just before connecting (the
+    trainer's parent process forks there: `jaxsora.train.run.agent.start`).
     Prints where the settings came from (every process of a multi-process run, before connecting)."""
     global _announced
     import jax
@@ -216,10 +218,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     print(f"[jaxsora] jax.distributed from {source}: process {args['process_id']} of {args['num_processes']}, "
           f"coordinator {args['coordinator_address']}{local} (waiting up to {timeout} s for every process)",
           flush=True)
-    if agent:
-        from jaxsora.parallel import agent as agent_lib
-
-        agent_lib.start(args["process_id"], args["num_processes"])  # the parent never returns
+    if before_connect is not None:
+        before_connect(args["process_id"], args["num_processes"])
     # Everything explicit: jax's own detection must not add its SLURM/Open MPI one-GPU restriction.
     jax.distributed.initialize(**args, initialization_timeout=timeout, cluster_detection_method="deactivate")
     _announced = True

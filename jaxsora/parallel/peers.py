@@ -24,7 +24,7 @@ A peer's death reaches a survivor in one of these ways; each ends in the same li
   client then terminates this process from C++ (`client.h`, SIGABRT) before any Python code can run —
   jaxlib's `missed_heartbeat_callback`, the hook that would let Python speak first, fails to convert its
   status argument (std::bad_cast) in jaxlib 0.10. The trainer's per-host parent process
-  (`jaxsora.parallel.agent`) reports that end in the same line and exit code.
+  (`jaxsora.train.run.agent`) reports that end in the same line and exit code.
 
 The trainer sets what is said and written on the way out (`on_lost`): the step, the newest intact
 checkpoint, the heartbeat file. `lost_line` and `newest_intact` need no jax (the agent uses them).

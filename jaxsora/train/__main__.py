@@ -62,9 +62,10 @@ def _body() -> int:
         print(f"resolved config:\n{format_config(FLAGS.config)}", flush=True)
     check_before_jax(FLAGS.config, FLAGS)
     from jaxsora.parallel.distributed import initialize
+    from jaxsora.train.run import agent
 
-    # a multi-process run's trainer gets a parent that reports its end, however it ends (jaxsora.parallel.agent)
-    initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, agent=True)
+    # a multi-process run's trainer gets a parent that reports its end, however it ends (the parent never returns)
+    initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, before_connect=agent.start)
     from jaxsora.train.run.loop import NonFiniteError, RunOptions, train
 
     opts = RunOptions(data_path=FLAGS.data_path, load=FLAGS.load, step=FLAGS.step, ckpt_path=FLAGS.ckpt_path,

@@ -1,4 +1,4 @@
-"""The trainer's parent (jaxsora.parallel.agent): it copies its child's stderr, keeps its exit code, and turns
+"""The trainer's parent (jaxsora.train.run.agent): it copies its child's stderr, keeps its exit code, and turns
 jaxlib's abort for a lost peer (the C++ termination text, then SIGABRT) into the trainer's one line, exit 76.
 The whole chain (a real fork, jaxlib's real abort when process 0 dies) runs in tests/train/test_lost_host.py;
 here the parent's loop runs on stand-in children, and the texts are jaxlib 0.10's, as printed in those runs."""
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from jaxsora.errors import EXIT_PEER_LOST
-from jaxsora.parallel import agent
+from jaxsora.train.run import agent
 
 # jaxlib 0.10.2's last words in process 1 when process 0 (the coordination service) was killed (abridged: the
 # preemption notifier's W/E lines, the poll's E line, the F line of client.h:80, the check-failure trace).

@@ -19,12 +19,12 @@ import jax
 
 from jaxsora.checkpoint import restore
 from jaxsora.errors import UserError
-from jaxsora.parallel import agent, peers
+from jaxsora.parallel import peers
 from jaxsora.train.contracts import Loader
 from jaxsora.train.plan import memory
 from jaxsora.train.plan.memory import EmptyPlanError  # noqa: F401  (re-exported)
+from jaxsora.train.run import agent, steps
 from jaxsora.train.run import folder as run_folder
-from jaxsora.train.run import steps
 from jaxsora.train.run.folder import new_run_folder as _new_run_folder  # noqa: F401  (tests import it here)
 from jaxsora.train.run.setup import default_loader, fresh_state, setup_run, weights_only_state
 from jaxsora.train.run.steps import NonFiniteError, is_main, run_steps, version  # noqa: F401  (NonFiniteError: re-exported)

@@ -21,8 +21,9 @@ import jax
 
 from jaxsora.checkpoint import Checkpointer
 from jaxsora.data import text_length
-from jaxsora.parallel import agent, agree
+from jaxsora.parallel import agree
 from jaxsora.train.plan import memory
+from jaxsora.train.run import agent
 from jaxsora.train.run.setup import plain
 from jaxsora.train.run.supervise import StopRequested, Watchdog, write_heartbeat
 from jaxsora.train.step.train_step import batch_key, global_batch

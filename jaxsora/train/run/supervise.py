@@ -191,7 +191,7 @@ class RunLockedError(UserError):
 
 def _pid_alive(pid: int) -> bool:
     """Whether `pid` runs on this host. A zombie does not: a trainer killed with its parent (a lost host's
-    trainer, `jaxsora.parallel.agent`) stays one until init reaps it, and holds nothing."""
+    trainer, `jaxsora.train.run.agent`) stays one until init reaps it, and holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -27,7 +27,8 @@ the trainer; the parent:
   with 128 + the signal, a shell's convention (137: SIGKILL).
 
 `JAXSORA_AGENT=0` runs the trainer without a parent (then losing process 0 ends the others with jaxlib's
-abort, as before). Only `jaxsora.train` asks for a parent (`jaxsora.parallel.distributed.initialize`).
+abort, as before). Only `jaxsora.train` asks for a parent (`jaxsora.parallel.distributed.initialize`'s
+`before_connect`).
 """
 from __future__ import annotations
 
