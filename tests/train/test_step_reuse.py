@@ -55,6 +55,9 @@ CHANGES = {
     "vae.downsample": lambda c: c.vae.update(downsample=(1, 4, 4)),
     "train.seed": lambda c: c.train.update(seed=c.train.seed + 1),
     "train.max_param_norm_growth": lambda c: c.train.update(max_param_norm_growth=3.0),
+    # the budget model.remat="auto" chooses each bucket's remat under
+    "train.device_memory_gib": lambda c: c.train.update(device_memory_gib=1.5),
+    "train.remat_memory_fraction": lambda c: c.train.update(remat_memory_fraction=0.5),
     "mesh": lambda c: c.mesh.update(data=2),
 }
 

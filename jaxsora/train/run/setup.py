@@ -79,9 +79,12 @@ class RunSetup:
 
 # The fields of a run config that `setup_run` builds from: the mesh, the encoders, the STDiT3 config, the
 # optimizer and schedule, the state plan and the step. The rest (outputs, lengths, logging, checkpointing, data
-# order and loading, eval, wandb, sampling) never reaches the step; None: the whole section.
+# order and loading, eval, wandb, sampling) never reaches the step; None: the whole section. The device memory
+# and its share for remat are here too: with model.remat="auto" a step's executables are the remat the compile
+# plan chose under them, which a run with another budget must not reuse.
 STEP_FIELDS = {"mesh": None, "model": None, "optim": None, "scheduler": None, "mask_ratios": None, "lora": None,
-               "vae": None, "text_encoder": None, "train": ("seed", "max_param_norm_growth"),
+               "vae": None, "text_encoder": None,
+               "train": ("seed", "max_param_norm_growth", "device_memory_gib", "remat_memory_fraction"),
                "data": ("features", "text_cache")}
 
 
