@@ -252,8 +252,10 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
     kind = jax.devices()[0].device_kind.lower()
     peak = args.peak_tflops or ((device_peak_flops(kind, s.dtype) or 0) / 1e12 or None)
-    onednn = ", oneDNN matmuls" if compile_options.of_mesh(mesh) else ""
-    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard") + onednn,
+    onednn = ", oneDNN matmuls" if jax.default_backend() == "cpu" and compile_options.of_mesh(mesh) else ""
+    gpu_xla = f", XLA {'+'.join(compile_options.gpu_variants())}" if compile_options.gpu_variants() else ""
+    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard") + onednn
+                + gpu_xla,
                 device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
                 compile_s=lower_s + info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
