@@ -8,7 +8,8 @@
 # The GPU session's one command (prepare on the CPU machine first: `bash bench/gpu_vs_opensora_prep.sh`):
 #   run(command="bash bench/gpu_vs_opensora.sh", carry=[".whl", ".gpu-bench"], timeout_s=540)
 # On CPU, the plumbing at a tiny shape (both sides; what tests/tools/test_gpu_vs_opensora.py runs):
-#   SHAPE="--model tiny --latent 4x16x16" BATCH=2 VARIANTS=... PY=.venv/bin/python REFPY=/tmp/refenv/bin/python \
+#   SHAPE="--model tiny --latent 4x16x16" VARIANTS=$'jax-b2||--batch 2 --remat auto\nos-b2||--batch 2 --reference \
+#     /tmp/refenv/bin/python --reference-mode train --reference-only' PY=.venv/bin/python WHEELS=none \
 #     bash bench/gpu_vs_opensora.sh
 #
 # Default variants ("name|environment|flags", one per line; VARIANTS replaces them, EXTRA adds flags to each):
@@ -17,9 +18,16 @@
 #               every block, flash-attn if the image has it, else torch's SDPA (no apex fused LayerNorm there)
 #   jax-b20     jaxsora, batch 20 (stage 1's per-GPU batch for 240p × 51), remat auto
 #   os-b20      Open-Sora, batch 20
-#   jax-b4-full jaxsora, batch 4, full remat (the README's figure of 2026-11-27: 0.725 s)
-# More in the same form, when the device time allows (each XL/2 jaxsora variant compiles ~3 min beside others):
-#   the largest batch of each side:  jax-max||--batch max --remat auto   os-max||--reference-only --reference-batch max
+# Device time, estimated (not measured: no GPU in the session that wrote this): an XL/2 step compiles in ~3 min
+# beside 1-2 other compiles on the H200 machine (bench/gpu_step.sh); remat auto compiles its four rungs at once
+# (bench/step.py --remat-parallel), then, where none of none/save_matmuls/save_qkv_proj fits but full does, up to
+# three partial ones at once: jax-b20 about two compile times, jax-b4 one. Then four turns of ~30-60 s (state,
+# warm-up, 8 steps; Open-Sora builds its model in its turn). About 8 min: run it with timeout_s=540, LIMIT=480.
+# EXTRA="--scan" (blocks scanned: ~2/3 of the compile time, the step ~5% slower) if the first call runs out.
+# More in the same form, when the device time allows:
+#   jaxsora with full remat:         jax-b4-full||--batch 4 --remat full   (the README's 0.725 s of 2026-11-27)
+#   the largest batch of each side:  jax-max||--batch max --remat auto
+#                                    os-max||--reference python3 --reference-mode train --reference-only --reference-batch max
 #   XLA:GPU options, one at a time:  jax-b4-lhs|JAXSORA_GPU_XLA=lhs|--batch 4 --remat auto   (no-triton-gemm,
 #                                    cudnn-layer-norm, no-command-buffer, command-buffer-loops, cublaslt)
 #   a stage 2/3 bucket:              SHAPE="--model STDiT3-XL/2 --latent 15x60x106 --dtype bfloat16" (480p × 51)
@@ -46,10 +54,10 @@ SHAPE=${SHAPE:-"--model STDiT3-XL/2 --latent 15x30x53 --dtype bfloat16"}
 STEPS=${STEPS:-8}
 LIMIT=${LIMIT:-480}   # seconds per variant, compile and its wait for the others included
 SYNC=$(mktemp -d)  # the turn lock and the ready/done markers (not under $OUT: only the results come back)
-# one process at a time holds the GPU's memory (its turn): each may plan into most of it; no preallocation, so the
-# processes still compiling hold next to nothing
+# one process at a time runs on the GPU (its turn) and may plan into most of its memory (remat auto: 0.9 of this
+# fraction); no preallocation, so the processes waiting for their turn hold only what their compiles left cached
 export BENCH_STEP_LOCK="$SYNC/device.lock" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.75}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 "$REFPY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
@@ -57,8 +65,7 @@ REF="--reference $REFPY --reference-mode train"
 VARIANTS=${VARIANTS:-"jax-b4||--batch 4 --remat auto
 os-b4||--batch 4 $REF --reference-only
 jax-b20||--batch 20 --remat auto
-os-b20||--batch 20 $REF --reference-only
-jax-b4-full||--batch 4 --remat full"}
+os-b20||--batch 20 $REF --reference-only"}
 EXTRA=${EXTRA:-}
 mapfile -t rows <<<"$VARIANTS"
 export BENCH_STEP_PEERS=${#rows[@]}

@@ -138,3 +138,16 @@ def test_choose_remat_walks_the_ladder_and_places_partial_remat(budget, want, as
     assert choice.label(8) == want and step.asked == asked
     assert [c.label(8) for c, _ in tried] == asked
     assert info.peak_bytes == dict((c.label(8), peak) for c, peak in tried)[want]
+
+
+@pytest.mark.parametrize("budget, want", [(1000, "none"), (750, "save_qkv_proj"), (450, "full 7/8"), (300, "full"),
+                                          (100, "full")])
+def test_choose_remat_in_parallel_picks_the_same(budget, want):
+    """parallel: the fixed rungs compiled at once, then the partial ones at once — the same choice; every fixed
+    rung compiled, and the partial ones only where the fixed ones leave a gap."""
+    step = _FakeStep(PEAKS, depth=8)
+    choice, info, _, tried = memory.choose_remat(step, {}, None, 8, budget, parallel=4)
+    assert choice.label(8) == want
+    fixed = ["none", "save_matmuls", "save_qkv_proj", "full"]
+    assert step.asked[:4] == fixed and [c.label(8) for c, _ in tried] == step.asked
+    assert step.asked[4:] == {450: ["full 6/8", "full 7/8"], 300: ["full 7/8"]}.get(budget, [])

@@ -89,41 +89,71 @@ def remat_budget(config, limit: int | None) -> int | None:
 PARTIAL_TRIES = 3
 
 
-def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None):
+def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, parallel: int = 1):
     """The cheapest remat of the ladder whose compiled step fits `budget` bytes per device, for one bucket:
-    (RematChoice, CompileInfo, compiled executable, tried), tried = ((choice, peak bytes), ...) in the order
-    compiled. Rungs: AUTO_REMAT_LADDER up to full; before full, partial remat — `full` on the first k pairs,
-    the rest without, k = ⌈depth·(none − budget)/(none − full)⌉ from the two measured peaks (activation memory
-    is close to linear in the rematerialized pairs), then one pair more at a time. Nothing fits: full, whose
-    peak the memory check then refuses. budget None (a device without a memory limit): no remat."""
+    (RematChoice, CompileInfo, compiled executable, tried), tried = ((choice, peak bytes), ...) in ladder order.
+    Rungs: AUTO_REMAT_LADDER up to full; before full, partial remat — `full` on the first k pairs, the rest
+    without, k = ⌈depth·(none − budget)/(none − full)⌉ from the two measured peaks (activation memory is close to
+    linear in the rematerialized pairs), then one pair more at a time (PARTIAL_TRIES). Nothing fits: full, whose
+    peak the memory check then refuses. budget None (a device without a memory limit): no remat.
+    parallel > 1: that many candidates compile at once (the fixed rungs together, then the partial ones) — the
+    wall time of about two compiles instead of up to seven, for as many times the compile work (bench/step.py on
+    a GPU, where one XL/2 compile takes minutes); 1 (training's plan, whose buckets compile side by side
+    already): one after another, stopping at the first that fits."""
+    import concurrent.futures
+
+    def measure(choices):
+        if parallel > 1 and len(choices) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(parallel, len(choices))) as pool:
+                done = list(pool.map(lambda c: step.compile_candidate(spec, encoders, c), choices))
+        else:
+            done = [step.compile_candidate(spec, encoders, c) for c in choices]
+        return [(c, info, compiled) for c, (compiled, info) in zip(choices, done)]
+
     tried = []
 
-    def measure(choice):
-        compiled, info = step.compile_candidate(spec, encoders, choice)
-        tried.append((choice, info.peak_bytes))
-        return choice, info, compiled
+    def first_fit(choices):
+        """Compile `choices` (all at once, or one after another until one fits); the first that fits, or None."""
+        batches = [choices] if parallel > 1 else [[c] for c in choices]
+        for batch in batches:
+            for got in measure(batch):
+                tried.append((got[0], got[1].peak_bytes))
+                if budget is None or got[1].peak_bytes <= budget:
+                    return got
+        return None
 
     ladder = list(AUTO_REMAT_LADDER)
-    first = measure(ladder[0])
-    if budget is None or first[1].peak_bytes <= budget:
-        return (*first, tuple(tried))
-    for choice in ladder[1:-1]:
-        got = measure(choice)
-        if got[1].peak_bytes <= budget:
-            return (*got, tuple(tried))
-    full = measure(ladder[-1])
-    none_peak, full_peak = first[1].peak_bytes, full[1].peak_bytes
+    if budget is None:
+        return _no_budget(step, spec, encoders)
+    if parallel > 1:  # every fixed rung at once
+        compiled = {}
+        for got in measure(ladder):
+            compiled[got[0]] = got
+            tried.append((got[0], got[1].peak_bytes))
+        fit = next((compiled[c] for c in ladder[:-1] if compiled[c][1].peak_bytes <= budget), None)
+        full = compiled[ladder[-1]]
+    else:
+        fit = first_fit(ladder[:-1])
+        if fit is None:
+            (full,) = measure(ladder[-1:])
+            tried.append((full[0], full[1].peak_bytes))
+    if fit is not None:
+        return (*fit, tuple(tried))
+    none_peak = dict(tried)[ladder[0]]
+    full_peak = full[1].peak_bytes
     if full_peak > budget or depth < 2 or none_peak <= full_peak:
         return (*full, tuple(tried))
     k = max(1, -(-depth * (none_peak - budget) // (none_peak - full_peak)))
-    for _ in range(PARTIAL_TRIES):
-        if k >= depth:
-            break
-        got = measure(RematChoice("full", k))
-        if got[1].peak_bytes <= budget:
-            return (*got, tuple(tried))
-        k += 1
-    return (*full, tuple(tried))
+    partial = [RematChoice("full", j) for j in range(k, min(depth, k + PARTIAL_TRIES))]
+    fit = first_fit(partial)
+    return (*(fit or full), tuple(tried))
+
+
+def _no_budget(step, spec, encoders):
+    """No device memory limit known: no remat, one compile."""
+    choice = AUTO_REMAT_LADDER[0]
+    compiled, info = step.compile_candidate(spec, encoders, choice)
+    return choice, info, compiled, ((choice, info.peak_bytes),)
 
 
 def _label(setup, choice: RematChoice | None) -> str:
