@@ -590,9 +590,10 @@ def grads_of_one_batch():
 def update():
     torch.nn.utils.clip_grad_norm_(masters, 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
-    if masters is not params:
+    if masters is not params:  # the bf16 working weights from the updated masters
         with torch.no_grad():
-            torch._foreach_copy_(params, masters)
+            for p, m in zip(params, masters):
+                p.copy_(m)
     update_ema()
 def step():
     grads_of_one_batch(); update(); sync()

@@ -80,6 +80,16 @@ def test_a_jax_option_read_while_tracing_separates_runs(fresh_cache, tmp_path):
         assert setup_run(small_config(tmp_path, mesh=(1, 1, 1))).step is not base.step
 
 
+def test_compiler_options_separate_runs(fresh_cache, tmp_path, monkeypatch):
+    """A step is jitted with the XLA options of its platform ($JAXSORA_GPU_XLA, $JAXSORA_CPU_MATMUL), read when it
+    is built: a run under other options does not reuse it."""
+    from jaxsora.parallel import compile_options
+
+    base = setup_run(small_config(tmp_path, mesh=(1, 1, 1)))
+    monkeypatch.setattr(compile_options, "of_mesh", lambda mesh: {"xla_cpu_enable_fast_math": False})
+    assert setup_run(small_config(tmp_path, mesh=(1, 1, 1))).step is not base.step
+
+
 def test_setup_reads_only_the_step_fields(tmp_path):
     cfg = small_config(tmp_path)
     sc = step_config(cfg)
