@@ -60,6 +60,7 @@ def walked(tmp_path_factory):
     return cfg, row, compiled
 
 
+@pytest.mark.slow(seconds=60)  # the fixture: four compiles of the step, cold
 def test_each_rung_recomputes_more_and_holds_less(walked):
     """The compiled steps of the ladder, cheapest first: each runs more matmuls (the forward's again, in the
     backward loop: save_matmuls the attention's, save_qkv_proj the attention's and the MLP's, full all) and
