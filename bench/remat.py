@@ -50,7 +50,8 @@ def main(argv=None):
     ap.add_argument("--latent", default="15x30x53", help="latent T×H×W (240p × 51 frames = 15×30×53)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--policies", default="none,full,dots_saveable,dots_with_no_batch_dims,offload")
+    ap.add_argument("--policies", default="none,full,dots_saveable,dots_with_no_batch_dims,offload,save_matmuls,"
+                                          "save_qkv_proj")
     ap.add_argument("--scan", default="no,yes", help="scan_blocks variants: no,yes")
     args = ap.parse_args(argv)
     import jax

@@ -178,10 +178,39 @@ def timing_turn():
 INTERLEAVE = 4
 
 
-def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | None = None,
-              cpu_matmul: str = "xla") -> dict:
+def device_budget(args) -> int | None:
+    """Bytes per device a step may plan into: --device-memory-gib, else the device's own limit (a GPU's
+    `bytes_limit`, XLA_PYTHON_CLIENT_MEM_FRACTION of its memory), × the remat plan's share (as training's
+    `train.remat_memory_fraction`); None on a device without one (CPU)."""
+    from jaxsora.train.plan import memory
+
+    gib = getattr(args, "device_memory_gib", None)
+    if gib:
+        return int(gib * memory.GIB * memory.REMAT_MEMORY_FRACTION)
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit * memory.REMAT_MEMORY_FRACTION) if limit else None
+
+
+def batch_spec_of(spec: dict, batch: int) -> dict:
+    """The abstract batch `spec` (a batch of any size) at `batch` rows."""
+    import jax
+
+    return {k: jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype, sharding=v.sharding) for k, v in spec.items()}
+
+
+def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref=None, cpu_matmul: str = "xla") -> dict:
     """jaxsora's step at shape s; with `ref`, the reference's steps run in alternation with these (INTERLEAVE
-    of each in turn), and the row gets `ratios`: per block, its median step time over the reference's.
+    of each in turn), and the row gets `ratios`: per block, its median step time over the reference's. `ref`: a
+    ReferenceSession, or a function making one when this process's turn on the device comes (BENCH_STEP_LOCK:
+    then it is also finished in that turn, its row under "reference_row", so that it holds the device's memory only
+    while it is timed).
+    s.remat "auto": the remat the train step's compile plan would choose for this batch in the device's memory
+    (`memory.choose_remat`, `device_budget`); s.batch 0 ("max"): the largest batch whose step fits the device's
+    memory with s.remat (auto: full, the remat that fits the most; `memory.largest_batch`), then the remat chosen
+    for it.
     cpu_matmul: JAXSORA_CPU_MATMUL for this step's compile ("xla" or "onednn", `jaxsora.parallel.compile_options`)."""
     import jax
 
@@ -189,6 +218,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
     from jaxsora.parallel import compile_options
     from jaxsora.parallel.mesh import logical_rules, make_mesh
     from jaxsora.parallel.sharding import abstract_of
+    from jaxsora.train.plan import memory
     from jaxsora.train.step.optim import AdamW
     from jaxsora.train.step.state import init_state_sharded, plan_state
     from jaxsora.train.step.train_step import TrainStep, make_train_step
@@ -202,19 +232,57 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
                          mask_ratios=None, ema_decay=0.99, max_norm_growth=norm_guard)
     os.environ[compile_options.ENV] = cpu_matmul  # read when the step is jitted (TrainStep)
     step = TrainStep(fn, plan)
+    budget = device_budget(args)
+    t0 = time.perf_counter()
+    if s.batch == 0:  # "max": the largest batch that fits with full remat, by compiling (no step is run)
+        if budget is None:
+            raise SystemExit("--batch max needs a device memory limit: a GPU's, or --device-memory-gib")
+        probe = abstract_of(inputs(cfg, dataclasses.replace(s, batch=mesh.devices.size), mesh))
+
+        class Sizer:  # what memory.largest_batch reads of a run's setup
+            data_parallel_size = mesh.devices.size
+            encoders = type("E", (), {"weights": {}})
+
+            @staticmethod
+            def batch_spec(size, gb):
+                return batch_spec_of(probe, gb)
+
+        Sizer.step = step
+        best = memory.largest_batch(Sizer, s.latent, budget, start=4)  # remat auto compiles as full here
+        if best == 0:
+            raise SystemExit(f"{s.name}: not even one sample fits {budget / 2**30:.1f} GiB with remat {s.remat}")
+        progress(f"{s.name}: largest batch with remat {s.remat} in {budget / 2**30:.1f} GiB: {best} "
+                 f"({time.perf_counter() - t0:.1f} s of compiles)")
+        s = dataclasses.replace(s, batch=best * mesh.devices.size)
     batch = inputs(cfg, s, mesh)
     spec = abstract_of(batch)
     progress(f"{s.name}: tracing and lowering the step (norm guard {norm_guard:g})")
-    t0 = time.perf_counter()
-    lowered = step.lower(spec, {})
-    lower_s = time.perf_counter() - t0
-    progress(f"{s.name}: lowered in {lower_s:.1f} s; compiling")
-    info = step.compile(spec, {}, lowered=lowered)
-    progress(f"{s.name}: compiled in {info.seconds:.1f} s; initializing the state")
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(init_state_sharded(plan))
-    progress(f"{s.name}: state initialized in {time.perf_counter() - t0:.1f} s")
+    remat = None
+    if s.remat == "auto":
+        # on a GPU the candidates compile at once: one XL/2 step compiles in minutes there (bench/gpu_step.sh)
+        parallel = args.remat_parallel or (1 if jax.default_backend() == "cpu" else 4)
+        choice, info, compiled, tried = memory.choose_remat(step, spec, {}, cfg.depth, budget, parallel=parallel)
+        step.adopt(spec, compiled, info, choice)
+        remat = choice.label(cfg.depth)
+        lower_s = 0.0
+        progress(f"{s.name}: remat auto in {'?' if budget is None else f'{budget / 2**30:.1f}'} GiB → {remat} "
+                 f"(tried: {', '.join(f'{c.label(cfg.depth)} {p / 2**30:.2f} GiB' for c, p in tried)}), "
+                 f"{time.perf_counter() - t0:.1f} s of compiles")
+        info = dataclasses.replace(info, seconds=time.perf_counter() - t0)
+    else:
+        t0 = time.perf_counter()
+        lowered = step.lower(spec, {})
+        lower_s = time.perf_counter() - t0
+        progress(f"{s.name}: lowered in {lower_s:.1f} s; compiling")
+        info = step.compile(spec, {}, lowered=lowered)
+    progress(f"{s.name}: compiled in {info.seconds:.1f} s")
+    owned = ref is not None and not isinstance(ref, ReferenceSession)
     with timing_turn():
+        if owned:
+            ref = ref(s)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(init_state_sharded(plan))
+        progress(f"{s.name}: state initialized in {time.perf_counter() - t0:.1f} s")
         for _ in range(2):  # warm-up (allocations, caches)
             state, m = step(state, batch, {})
         jax.block_until_ready(m)
@@ -235,6 +303,7 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
             times += block
             if ref:
                 ratios.append(float(np.median(block) / np.median(ref.steps(len(block)))))
+        reference_row = ref.finish() if owned else None  # its process ends here, its memory freed in this turn
         # what the kernel spends beside the step's own work: XLA:CPU allocates each execution's scratch buffer anew
         # (746 MB at `realistic`), above glibc's mmap threshold a fresh mapping whose every page faults in — 4 KB
         # pages, or huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (docs/benchmarks.md)
@@ -252,14 +321,16 @@ def bench_jax(s: Shape, args, norm_guard: float = 2.0, ref: ReferenceSession | N
     xla_flops = info.flops * n_dev if info.flops else None  # the cost analysis is per device
     kind = jax.devices()[0].device_kind.lower()
     peak = args.peak_tflops or ((device_peak_flops(kind, s.dtype) or 0) / 1e12 or None)
-    onednn = ", oneDNN matmuls" if compile_options.of_mesh(mesh) else ""
-    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard") + onednn,
+    onednn = ", oneDNN matmuls" if jax.default_backend() == "cpu" and compile_options.of_mesh(mesh) else ""
+    gpu_xla = f", XLA {'+'.join(compile_options.gpu_variants())}" if compile_options.gpu_variants() else ""
+    return dict(impl="jaxsora (JAX)" + (f", norm guard {norm_guard:g}" if norm_guard else ", no norm guard") + onednn
+                + gpu_xla,
                 device=f"{jax.devices()[0].device_kind} ×{n_dev}", step_s=dt,
                 compile_s=lower_s + info.seconds, tokens_per_s=tokens(cfg, s.latent, s.batch) / dt,
                 model_tflops=model_flops / dt / 1e12, xla_tflops=(xla_flops / dt / 1e12) if xla_flops else None,
                 mfu=(model_flops / dt / 1e12 / (peak * n_dev)) if peak else None,
                 peak_gib=info.peak_bytes / 2**30, loss=float(m["loss"]), text_tokens=int(batch["text_mask"].shape[1]),
-                breakdown=breakdown, ratios=ratios)
+                breakdown=breakdown, ratios=ratios, batch=s.batch, remat=remat or s.remat, reference_row=reference_row)
 
 
 PROFILED_STEPS = 3
@@ -415,41 +486,141 @@ import json, os, sys, time
 import numpy as np, torch
 sys.path.insert(0, os.environ["REFHARNESS"])
 import ref_stdit3 as R
-R.setup(os.environ.get("OPENSORA_REF_DIR", "/tmp/opensora-ref"))
+ns = R.setup(os.environ.get("OPENSORA_REF_DIR", "/tmp/opensora-ref"))
 a = json.loads(sys.argv[1])
 cfg = dict(a["config"]); cfg["patch_size"] = tuple(cfg["patch_size"])
+# "fp32": the CPU comparison (fp32, eval mode). "train": scripts/train.py's setup on the device there is: the model
+# cast to bf16 with fp32 master weights for AdamW (ColossalAI's zero2 with bf16), gradient checkpointing of every
+# block (set_grad_checkpoint), train mode (caption dropout) and its attention kernel (flash-attn, or SDPA, below)
+mode = a.get("mode", "fp32")
+dev = torch.device("cuda" if mode == "train" and torch.cuda.is_available() else "cpu")
+dtype = torch.bfloat16 if mode == "train" and dev.type == "cuda" else torch.float32
+attention = "manual (fp32 softmax)"
+if dev.type == "cuda":
+    import types
+    try:
+        import flash_attn  # noqa: F401  # Open-Sora's enable_flash_attn path, as its configs run it
+        attention = "flash-attn"
+    except ImportError:
+        # no flash-attn in the image: the same call (B, N, H, Dh layout, softmax_scale) through torch's fused SDPA
+        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, **_):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p, scale=softmax_scale)
+            return out.transpose(1, 2)
+        sys.modules["flash_attn"] = types.SimpleNamespace(flash_attn_func=flash_attn_func)
+        attention = "SDPA"
+
+    def cross_attention(query, key, value, attn_bias=None, p=0.0, scale=None, **_):
+        # xformers' memory_efficient_attention over the block-diagonal mask (queries of sample i attend to its own
+        # valid caption tokens), one fused SDPA call per sample; xformers is not in the image either
+        if attn_bias is None:
+            return torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=p).transpose(1, 2)
+        outs, qs, ks = [], 0, 0
+        for nq, nk in zip(attn_bias.q_seqlen, attn_bias.kv_seqlen):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query[:, qs:qs + nq].transpose(1, 2), key[:, ks:ks + nk].transpose(1, 2),
+                value[:, ks:ks + nk].transpose(1, 2), dropout_p=p)
+            outs.append(o.transpose(1, 2)); qs += nq; ks += nk
+        return torch.cat(outs, dim=1)
+    ns.blocks.xformers.ops.memory_efficient_attention = cross_attention
 model = R.build(cfg, seed=0)
-model.eval()  # no caption dropout (CUDA-only upstream); the math of the step is otherwise the same
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, eps=1e-15, weight_decay=0.0)
+if mode == "train":
+    from opensora.acceleration.checkpoint import set_grad_checkpoint
+    set_grad_checkpoint(model)
+    if dev.type == "cuda":
+        for m in model.modules():  # the Attention layers' flash path (the parameters are the same)
+            if hasattr(m, "enable_flash_attn"):
+                m.enable_flash_attn = True
+model = model.to(dev, dtype)
+if mode == "train" and dev.type == "cuda":
+    model.train()  # caption dropout (its token_drop calls .cuda())
+else:
+    model.eval()  # no caption dropout (CUDA-only upstream); the math of the step is otherwise the same
+params = [p for p in model.parameters() if p.requires_grad]
+# the optimizer's weights: fp32 masters of the bf16 model (ColossalAI's LowLevelZeroOptimizer), or the params
+masters = params if dtype == torch.float32 else [p.detach().float().clone().requires_grad_(True) for p in params]
+opt = torch.optim.AdamW(masters, lr=1e-4, eps=1e-15, weight_decay=0.0, **({"fused": True} if dev.type == "cuda"
+                                                                          else {}))
 # scripts/train.py runs `update_ema(ema, model, decay=ema_decay)` after every optimizer step
-# (opensora/utils/train_utils.py: ema ← decay·ema + (1 − decay)·param for each trained parameter);
-# written out here because that module imports ColossalAI.
-ema = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+# (opensora/utils/train_utils.py: ema <- decay*ema + (1 - decay)*param for each trained parameter, from the fp32
+# masters); written out here because that module imports ColossalAI.
+ema = [m.detach().clone() for m in masters]
 def update_ema(decay=0.99):
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in ema:
-                ema[n].mul_(decay).add_(p.data, alpha=1 - decay)
+        torch._foreach_mul_(ema, decay)
+        torch._foreach_add_(ema, [m.detach() for m in masters], alpha=1 - decay)
 rng = np.random.default_rng(0)
-b, L = a["batch"], cfg["model_max_length"]
+L = cfg["model_max_length"]
 t, h, w = a["latent"]
-x = rng.standard_normal((b, cfg["in_channels"], t, h, w)).astype(np.float32)
-y = rng.standard_normal((b, 1, L, cfg["caption_channels"])).astype(np.float32)
-mask = (np.arange(L)[None] < np.asarray(a["caption_lengths"])[:, None]).astype(np.int64)
+lengths = list(a["caption_lengths"])
+def to(x, dt=None):
+    return torch.from_numpy(x).to(dev, dt or dtype)
+def make_batch(b):
+    """x [b, C, T, H, W], y [b, 1, L, Cc] and the batch's other tensors as scripts/train.py passes them (cast to the
+    training dtype); caption lengths repeat the given ones."""
+    global x, y, mask_np, extra
+    x = to(rng.standard_normal((b, cfg["in_channels"], t, h, w)).astype(np.float32))
+    y = to(rng.standard_normal((b, 1, L, cfg["caption_channels"])).astype(np.float32))
+    mask_np = (np.arange(L)[None] < np.resize(np.asarray(lengths), b)[:, None]).astype(np.int64)
+    extra = dict(mask=torch.from_numpy(mask_np).to(dev), fps=torch.full((b,), 24.0, device=dev, dtype=dtype),
+                 height=torch.full((b,), 8.0 * h, device=dev, dtype=dtype),
+                 width=torch.full((b,), 8.0 * w, device=dev, dtype=dtype),
+                 num_frames=torch.full((b,), 17.0 * max(1, t // 5), device=dev, dtype=dtype))
+sched = ns.RFlowScheduler(num_timesteps=1000, sample_method="logit-normal", use_timestep_transform=True)
+torch.manual_seed(0)
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 def grads_of_one_batch():
-    noise = rng.standard_normal(x.shape).astype(np.float32)
-    tt = rng.uniform(0, 1000, b).astype(np.float32)
-    loss, grads = R.training_loss(model, x, noise, tt, y, mask, grad=True)
-    for n, p in model.named_parameters():
-        if n in grads:
-            p.grad = torch.from_numpy(grads[n])
+    if mode == "fp32":  # the CPU comparison's draws: uniform t, numpy noise (as before)
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        tt = rng.uniform(0, 1000, b).astype(np.float32)
+        loss, grads = R.training_loss(model, x.cpu().numpy(), noise, tt, y.cpu().numpy(), mask_np, grad=True)
+        for n, p in model.named_parameters():
+            if n in grads:
+                p.grad = torch.from_numpy(grads[n])
+        return
+    loss = sched.training_losses(model, x, model_kwargs=dict(y=y, **extra))["loss"].mean()
+    loss.backward()
+    if masters is not params:
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
 def update():
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(masters, 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
+    if masters is not params:  # the bf16 working weights from the updated masters
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
     update_ema()
 def step():
-    grads_of_one_batch(); update()
+    grads_of_one_batch(); update(); sync()
+b = a["batch"]
+if b == 0:  # "max": the largest batch that fits the device, as Open-Sora's search_bs finds it by trying
+    if dev.type != "cuda":
+        sys.exit("--reference-batch max needs CUDA")
+    # peak memory is affine in the batch (weights, masters, Adam, EMA, then activations per sample): two
+    # measured steps give the line, the device's memory (less 5% for the allocator's fragments) the batch; then
+    # one sample less until a step runs
+    peaks = {}
+    for n in (1, 2):
+        make_batch(n); torch.cuda.reset_peak_memory_stats(); step()
+        peaks[n] = torch.cuda.max_memory_allocated()
+    # what this process may have: the device's free memory and what it holds already (other processes keep theirs)
+    total = (torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()) * float(
+        os.environ.get("BENCH_REF_MEM_FRACTION", "0.95"))
+    b = max(1, int((total - peaks[1]) // max(1, peaks[2] - peaks[1])) + 1)
+    while b > 1:
+        try:
+            make_batch(b); torch.cuda.reset_peak_memory_stats(); step(); break
+        except torch.OutOfMemoryError:
+            b -= 1; opt.zero_grad(set_to_none=True); model.zero_grad(set_to_none=True); torch.cuda.empty_cache()
+make_batch(b)
 step(); step()
+if dev.type == "cuda":
+    torch.cuda.reset_peak_memory_stats(); step()
 # timed on request, interleaved with jaxsora's steps: a line "n" runs one untimed step (the first after jaxsora's
 # turn, as jaxsora's side leaves its first untimed: see INTERLEAVE), then n timed ones, and answers their times;
 # "end" ends
@@ -464,8 +635,11 @@ for line in sys.stdin:
         t0 = time.perf_counter(); step(); block.append(time.perf_counter() - t0)
     ts += block
     print("TIMES " + json.dumps(block), flush=True)
-out = dict(step_s=float(np.median(ts)), threads=torch.get_num_threads())
-if a.get("profile"):
+out = dict(step_s=float(np.median(ts)), threads=torch.get_num_threads(), device=str(dev), dtype=str(dtype),
+           attention=attention, mode=mode, batch=b)
+if dev.type == "cuda":
+    out.update(device_name=torch.cuda.get_device_name(), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+if a.get("profile") and dev.type == "cpu":
     # matmul self time from torch.profiler; the update (clip, AdamW, EMA) timed around its call
     from torch.profiler import ProfilerActivity, profile
     upd = []
@@ -488,13 +662,20 @@ class ReferenceSession:
     step has read 2.4 s and 3.1 s within the hour)."""
 
     def __init__(self, s: Shape, args):
+        """The reference at shape s, its batch s.batch, or with args.reference_batch "max" the largest batch that
+        fits the device (CUDA only; found by the reference's process)."""
         cfg = model_config(s)
         conf = dict(depth=cfg.depth, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
                     patch_size=list(cfg.patch_size), in_channels=cfg.in_channels,
                     caption_channels=cfg.caption_channels, model_max_length=cfg.model_max_length,
                     qk_norm=cfg.qk_norm, pred_sigma=cfg.pred_sigma)
-        payload = json.dumps(dict(config=conf, batch=s.batch, latent=list(s.latent), profile=args.profile,
-                                  caption_lengths=caption_lengths(s.batch, cfg.model_max_length).tolist()))
+        self.mode, self.peak_tflops = getattr(args, "reference_mode", "fp32"), getattr(args, "peak_tflops", None)
+        self.cfg = cfg
+        batch = 0 if getattr(args, "reference_batch", "same") == "max" else s.batch
+        payload = json.dumps(dict(config=conf, batch=batch, latent=list(s.latent), profile=args.profile,
+                                  # a batch found by the reference ("max") repeats these lengths
+                                  caption_lengths=caption_lengths(s.batch or 64, cfg.model_max_length).tolist(),
+                                  mode=self.mode))
         harness = os.environ.get("REFHARNESS", os.path.join(HERE, "..", "..", "shared", "refharness"))
         with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
             f.write(REF_SCRIPT)
@@ -546,9 +727,23 @@ class ReferenceSession:
         self.proc.wait()
         self.close()
         step_s = float(np.median(self.times))
-        return dict(impl=f"Open-Sora PyTorch (fp32, {r['threads']} thr)", device="cpu", step_s=step_s,
-                    compile_s=None, tokens_per_s=self.tokens / step_s, model_tflops=self.model_flops / step_s / 1e12,
-                    xla_tflops=None, mfu=None, peak_gib=None, loss=None,
+        if r.get("batch", self.shape.batch) != self.shape.batch:  # "max": the batch the reference found
+            b = r["batch"]
+            self.model_flops = 3 * forward_flops(self.cfg, self.shape.latent, self.cfg.model_max_length) * b
+            self.tokens = tokens(self.cfg, self.shape.latent, b)
+        if r.get("mode", "fp32") == "train":
+            dt = "bf16 + fp32 masters" if "bfloat16" in r["dtype"] else "fp32"
+            impl = f"Open-Sora PyTorch ({dt}, grad ckpt, {r['attention']} attention, no apex fused LayerNorm)"
+        else:
+            impl = f"Open-Sora PyTorch (fp32, {r['threads']} thr)"
+        device = r.get("device_name") or r.get("device", "cpu")
+        peak = self.peak_tflops or ((device_peak_flops(device, r.get("dtype", "")) or 0) / 1e12 or None)
+        tflops = self.model_flops / step_s / 1e12
+        return dict(impl=impl, device=device, step_s=step_s, batch=r.get("batch", self.shape.batch), remat="grad ckpt"
+                    if r.get("mode") == "train" else "none",
+                    compile_s=None, tokens_per_s=self.tokens / step_s, model_tflops=tflops,
+                    xla_tflops=None, mfu=tflops / peak if peak and r.get("device", "cpu") != "cpu" else None,
+                    peak_gib=r.get("peak_gib"), loss=None,
                     breakdown=None if "matmul_ms" not in r else {
                         "matmul (forward + backward)": r["matmul_ms"], "optimizer, norms, EMA": r["update_ms"],
                         "other (forward + backward, wall − the two)": 1e3 * step_s - r["matmul_ms"] - r["update_ms"]})
@@ -561,7 +756,16 @@ def main(argv=None):
     ap.add_argument("--latent", default="4x16x16", help="custom shape: latent T×H×W")
     ap.add_argument("--set", default="", metavar="K=V,...", help="custom shape: model config overrides, e.g. "
                     "depth=2,hidden_size=576,num_heads=9 (a shape none of the listed ones names)")
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=lambda v: 0 if v == "max" else int(v), default=2,
+                    help="custom shape: global batch, or max (the largest that fits the device's memory)")
+    ap.add_argument("--remat-parallel", type=int, default=0, help="--remat auto: candidates compiled at once "
+                    "(0: 4 on a GPU, 1 on CPU)")
+    ap.add_argument("--device-memory-gib", type=float, default=None, help="plan remat auto and --batch max into "
+                    "this much per device (default: the device's own limit)")
+    ap.add_argument("--reference-only", action="store_true", help="with --reference: time the reference alone (in "
+                    "its turn on the device: BENCH_STEP_LOCK), jaxsora not at all")
+    ap.add_argument("--reference-batch", default="same", choices=["same", "max"],
+                    help="the reference's batch: jaxsora's, or the largest that fits (CUDA)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--remat", default="none")
     ap.add_argument("--scan", action="store_true", help="model.scan_blocks")
@@ -569,6 +773,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (auto on H100/H200)")
     ap.add_argument("--reference", default=None, help="python of the refharness env: also time the PyTorch step")
+    ap.add_argument("--reference-mode", default="fp32", choices=["fp32", "train"],
+                    help="the reference's step: fp32 (the CPU comparison, eval mode) or train (scripts/train.py's "
+                    "setup: on CUDA bf16 with fp32 masters, gradient checkpointing, flash-attn or SDPA, caption "
+                    "dropout; on CPU gradient checkpointing in fp32)")
     ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (XLA:CPU's "
                     "per-thunk trace; with --reference, the PyTorch step's matmul time and its update's time)")
     ap.add_argument("--profile-top", type=int, default=0, help="with --profile: also list this many of the "
@@ -629,6 +837,24 @@ def _main(args):
         shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     results = []
     for s in shapes:
+        if args.reference_only:  # the reference alone, in this process's turn on the device (bench/gpu_vs_opensora.sh)
+            with timing_turn():
+                ref = ReferenceSession(s, args)
+                try:
+                    while len(ref.times) < args.steps:
+                        ref.steps(min(INTERLEAVE, args.steps - len(ref.times)))
+                except BaseException:
+                    ref.close()
+                    raise
+                results.append((s, [ref.finish()]))
+            continue
+        if args.reference and os.environ.get("BENCH_STEP_LOCK"):
+            # processes taking turns on one device: the reference starts in this one's turn and ends with it
+            rows = [bench_jax(s, args, float(g), lambda s_: ReferenceSession(s_, args), m)
+                    for g in args.norm_guard.split(",") for m in args.cpu_matmul.split(",")]
+            rows += [r.pop("reference_row") for r in list(rows) if r.get("reference_row")]
+            results.append((s, rows))
+            continue
         ref = ReferenceSession(s, args) if args.reference else None
         try:
             rows = [bench_jax(s, args, float(g), ref, m) for g in args.norm_guard.split(",")
@@ -647,21 +873,26 @@ def _main(args):
     def fmt(v, f):
         return "-" if v is None else format(v, f)
 
-    head = (f"{'shape':<14} {'implementation':<44} {'device':<16} {'step s':>8} {'tokens/s':>9} {'model TF/s':>10} "
-            f"{'XLA TF/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8}")
+    head = (f"{'shape':<14} {'implementation':<44} {'device':<16} {'batch':>5} {'remat':<14} {'step s':>8} "
+            f"{'tokens/s':>9} {'model TF/s':>10} {'XLA TF/s':>9} {'MFU':>6} {'compile s':>9} {'peak GiB':>8}")
     print()
     print(head)
     print("-" * len(head))
     for s, rows in results:
         for r in rows:
-            print(f"{s.name:<14} {r['impl']:<44} {r['device'][:16]:<16} {r['step_s']:>8.4f} {r['tokens_per_s']:>9.0f} "
+            print(f"{s.name:<14} {r['impl']:<44} {r['device'][:16]:<16} {r.get('batch', s.batch):>5} "
+                  f"{str(r.get('remat', s.remat))[:14]:<14} {r['step_s']:>8.4f} {r['tokens_per_s']:>9.0f} "
                   f"{r['model_tflops']:>10.3f} {fmt(r['xla_tflops'], '9.3f'):>9} "
                   f"{fmt(r['mfu'] and 100 * r['mfu'], '5.1f'):>6} {fmt(r['compile_s'], '9.1f'):>9} "
                   f"{fmt(r['peak_gib'], '8.2f'):>8}")
-        if args.reference:
+        if args.reference and not args.reference_only:
+            ref = rows[-1]
             for r in rows[:-1]:
-                q = r["ratios"]
-                print(f"{s.name:<14} {r['impl']} / Open-Sora step time: {np.median(q):.2f} (median of {len(q)} "
+                q = np.asarray(r["ratios"])
+                what = "step time"
+                if r.get("batch", s.batch) != ref.get("batch", s.batch):  # each side at its own batch: per sample
+                    q, what = q * ref["batch"] / r["batch"], "time per sample"
+                print(f"{s.name:<14} {r['impl']} / Open-Sora {what}: {np.median(q):.2f} (median of {len(q)} "
                       f"alternating blocks of {INTERLEAVE} steps each, {min(q):.2f}–{max(q):.2f})")
     if args.profile:
         print("\nwhere a step's time goes (ms per step; jaxsora: XLA:CPU thunks, which may overlap, or GPU kernels)")

@@ -49,8 +49,11 @@ def get_config():
     c.model = mlc.ConfigDict(dict(
         name="STDiT3-XL/2",
         compute_dtype="bfloat16",       # Open-Sora 1.2 trains in bf16; parameters stay fp32 (masters)
-        remat="full",                   # grad_checkpoint=True in every 1.2 config; none | full | dots_saveable |
-                                        # dots_with_no_batch_dims | offload (see STDiT3Config)
+        remat="auto",                   # per bucket, the cheapest remat whose compiled step fits the device (none →
+                                        # save_matmuls → save_qkv_proj → full on the first k pairs → full; Open-Sora
+                                        # 1.2 sets grad_checkpoint=True, i.e. "full"); or one of none | full |
+                                        # dots_saveable | dots_with_no_batch_dims | offload | save_matmuls |
+                                        # save_qkv_proj (see STDiT3Config)
         remat_blocks=-1,                # block pairs rematerialized, from the first (-1: all)
         scan_blocks=False,              # one lax.scan over the block pairs: 1 pair compiled instead of 28
         attention_impl="auto",          # cuDNN flash attention on GPU in bf16, XLA otherwise
@@ -118,6 +121,7 @@ def get_config():
         async_checkpoint=True, compilation_cache=True,
         check_memory=True,              # compile every bucket before step 0; refuse buckets that do not fit
         device_memory_gib=0.0,          # > 0: plan for this much per device (e.g. 80 for an H100 from a CPU dry run)
+        remat_memory_fraction=0.9,      # model.remat="auto" plans each bucket's step into this share of the device
         compile_threads=0,              # parallel bucket compiles (0: min(8, CPUs))
         peak_flops=0.0,                 # > 0: peak FLOP/s per device for the logged MFU (0: H100/H200/A100 table;
                                         # unknown devices and CPU log no MFU)

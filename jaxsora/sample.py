@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise BadInput(f"--num-sample must be at least 1, got {args.num_sample}")
     from jaxsora.parallel import compile_options
 
-    compile_options.cpu_matmul()  # $JAXSORA_CPU_MATMUL
+    compile_options.check_env()  # $JAXSORA_CPU_MATMUL, $JAXSORA_GPU_XLA
 
     # Every check of the input runs before jax is imported (a mistake is answered at once) and before connecting,
     # so a mistake ends each process alone (no process is left waiting for another one in jax.distributed).

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from einops import rearrange
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.parallel import constraints
@@ -426,7 +427,9 @@ class Mlp(nnx.Module):
         self.fc2 = dense(dhidden, dout, names_out, rngs=rngs, dtype=dtype)
 
     def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+        # named for the remat policies that keep matmul outputs (models/config.py REMAT_SAVED_NAMES)
+        hidden = checkpoint_name(self.fc1(x), "mlp_hidden")
+        return checkpoint_name(self.fc2(jax.nn.gelu(hidden, approximate=True)), "mlp_out")
 
 
 class TimestepEmbedder(nnx.Module):
@@ -512,7 +515,8 @@ class Attention(nnx.Module):
         if extra:
             x = jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
             kv_len = n if kv_len is None else kv_len  # the appended token is no key
-        qkv = self.qkv(x).reshape(r, n + extra, 3, self.num_heads, self.head_dim)
+        # the matmul outputs carry checkpoint names for the remat policies (models/config.py REMAT_SAVED_NAMES)
+        qkv = checkpoint_name(self.qkv(x), "qkv").reshape(r, n + extra, 3, self.num_heads, self.head_dim)
         q, k, v = split_heads(qkv, 3)  # each [R, N, H, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -530,7 +534,8 @@ class Attention(nnx.Module):
             out = ulysses_attention(q, k, v, mesh=None, axis_name=self.sequence_axis, attn_fn=attn_fn)
         else:
             out = attn_fn(q, k, v)
-        out = self.proj(out.reshape(r, n + extra, c))
+        out = checkpoint_name(out.reshape(r, n + extra, c), "attn_out")
+        out = checkpoint_name(self.proj(out), "proj")
         return out[:, :n] if extra else out
 
 
@@ -555,11 +560,12 @@ class MultiHeadCrossAttention(nnx.Module):
         extra = cudnn_token_pad(self.attn_impl, n)  # one query more for cuDNN at odd n, its output cut off below
         if extra:
             x = jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
-        q = self.q_linear(x).reshape(b, n + extra, self.num_heads, self.head_dim)
-        kv = self.kv_linear(y).reshape(b, y.shape[1], 2, self.num_heads, self.head_dim)
+        q = checkpoint_name(self.q_linear(x), "qkv").reshape(b, n + extra, self.num_heads, self.head_dim)
+        kv = checkpoint_name(self.kv_linear(y), "qkv").reshape(b, y.shape[1], 2, self.num_heads, self.head_dim)
         k, v = split_heads(kv, 2)
         out = attention(q, k, v, impl=self.attn_impl, kv_lengths=y_lens)
-        out = self.proj(out.reshape(b, n + extra, c))
+        out = checkpoint_name(out.reshape(b, n + extra, c), "attn_out")
+        out = checkpoint_name(self.proj(out), "proj")
         return out[:, :n] if extra else out
 
 

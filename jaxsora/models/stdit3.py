@@ -10,6 +10,8 @@ takes and returns the reference layouts.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -21,7 +23,7 @@ from flax import nnx
 
 from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
 from jaxsora.models import layers as L
-from jaxsora.models.config import REMAT_POLICIES, STDiT3Config  # noqa: F401 — importable from here as before
+from jaxsora.models.config import REMAT_POLICIES, REMAT_SAVED_NAMES, RematChoice, STDiT3Config  # noqa: F401
 from jaxsora.parallel.constraints import constrain
 
 # Open-Sora 1.2 inference default fps (configs/opensora-v1-2/inference/sample.py), used when the
@@ -151,10 +153,36 @@ class T2IFinalLayer(nnx.Module):
 def remat_policy(name: str):
     """The `jax.checkpoint` policy of a `remat` setting (None = save nothing, recompute all)."""
     cp = jax.checkpoint_policies
+    if name in REMAT_SAVED_NAMES:  # the layers' checkpoint_name'd matmul outputs (models/config.py)
+        return cp.save_only_these_names(*REMAT_SAVED_NAMES[name])
     return {"full": None, "dots_saveable": cp.dots_saveable,
             "dots_with_no_batch_dims": cp.dots_with_no_batch_dims_saveable,
             # saved weight-matmul outputs go to pinned host memory and come back for the backward
             "offload": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}[name]
+
+
+# The remat of the blocks in the current trace when it is not the config's own: the train step traces each
+# bucket with the choice its compile plan made for `model.remat="auto"` (jaxsora.train.step.train_step).
+_REMAT_OVERRIDE: contextvars.ContextVar[RematChoice | None] = contextvars.ContextVar("jaxsora_remat", default=None)
+
+
+@contextlib.contextmanager
+def remat_override(choice: RematChoice | None):
+    """Trace the blocks with `choice` instead of the config's remat/remat_blocks (None: the config's)."""
+    token = _REMAT_OVERRIDE.set(choice)
+    try:
+        yield
+    finally:
+        _REMAT_OVERRIDE.reset(token)
+
+
+def effective_remat(cfg: STDiT3Config) -> RematChoice:
+    """The remat the blocks are traced with: the override of `remat_override` if one is set, else the
+    config's; an unresolved "auto" (a model traced outside the train step's compile plan) runs "full"."""
+    choice = _REMAT_OVERRIDE.get()
+    if choice is not None:
+        return choice
+    return RematChoice("full" if cfg.remat == "auto" else cfg.remat, cfg.remat_blocks)
 
 
 def _pair(spatial, temporal, h, *args):
@@ -304,21 +332,22 @@ class STDiT3(nnx.Module):
         """The `depth` (spatial, temporal) pairs, the first `remat_blocks` rematerialized with the
         configured policy; unrolled, or as one `lax.scan` per remat group (`scan_blocks`)."""
         cfg = self.config
-        n_remat = 0 if cfg.remat == "none" else (cfg.depth if cfg.remat_blocks < 0 else cfg.remat_blocks)
+        choice = effective_remat(cfg)
+        n_remat = choice.pairs(cfg.depth)
         pairs = list(zip(self.spatial_blocks, self.temporal_blocks))
         groups = [(pairs[:n_remat], True), (pairs[n_remat:], False)]
         for group, remat in groups:
             if not group:
                 continue
             if cfg.scan_blocks:
-                h = self._scan(group, h, args, remat)
+                h = self._scan(group, h, args, remat and choice.policy)
                 continue
-            run = nnx.remat(_pair, policy=remat_policy(cfg.remat)) if remat else _pair
+            run = nnx.remat(_pair, policy=remat_policy(choice.policy)) if remat else _pair
             for spatial, temporal in group:
                 h = run(spatial, temporal, h, *args)
         return h
 
-    def _scan(self, pairs, h, args, remat: bool):
+    def _scan(self, pairs, h, args, remat):
         """`lax.scan` over block pairs whose parameters are stacked on the fly (in the compute
         dtype: every block parameter is cast to it where it is used, so the values are the same)."""
         dt = self.dtype
@@ -332,8 +361,8 @@ class STDiT3(nnx.Module):
             spatial, temporal = (nnx.merge(g, st) for g, st in zip(graphdefs, states))
             return _pair(spatial, temporal, h, *args), None
 
-        if remat:
-            body = jax.checkpoint(body, policy=remat_policy(self.config.remat), prevent_cse=False)
+        if remat:  # the policy's name, or False
+            body = jax.checkpoint(body, policy=remat_policy(remat), prevent_cse=False)
         h, _ = jax.lax.scan(body, h, tuple(stacked))
         return h
 

@@ -1,7 +1,24 @@
 """XLA compiler options for jaxsora's programs, by platform: the train and eval steps, the sampler and the T5
 encoder are jitted with `for_platform(...)` (or `of_mesh(mesh)`).
 
-One option today, opt-in: `JAXSORA_CPU_MATMUL=onednn` has XLA:CPU (x86-64) run every matmul through oneDNN, one
+GPU, opt-in by name: `JAXSORA_GPU_XLA=lhs,no-triton-gemm,...` (`GPU_VARIANTS`; comma-separated, applied in order)
+sets XLA:GPU options that `bench/gpu_vs_opensora.sh` times one at a time beside XLA's defaults in one device call.
+None is on by default: each becomes a default only with a measurement on an H100/H200 beside it. The option names
+were checked against jaxlib 0.10.2's XLA, which accepts each through `compiler_options` (a misspelt name there
+is "No such compile option"; `xla_gpu_enable_command_buffer` takes a full list, not "+X" modifiers), and against
+XLA's defaults at the time (debug_options_flags.cc): latency-hiding scheduler off, Triton GEMMs on, cuDNN layer
+norm off, command buffers for FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION.
+
+Variants (each timed against XLA's defaults on an H200, STDiT3-XL/2 240p × 51, batch 4: pending a GPU session):
+- `lhs`: xla_gpu_enable_latency_hiding_scheduler=True.
+- `no-triton-gemm`: xla_gpu_enable_triton_gemm=False, every GEMM to cuBLAS (the H200 profile of the step had 66 of
+  its 300 ms of GEMMs in Triton kernels, README "Benchmarks").
+- `cudnn-layer-norm`: xla_gpu_enable_cudnn_layer_norm=True.
+- `no-command-buffer`: xla_gpu_enable_command_buffer="" (no CUDA graphs).
+- `command-buffer-loops`: the default command buffers plus WHILE and CONDITIONAL (a `scan_blocks` loop in one graph).
+- `cublaslt`: xla_gpu_enable_cublaslt=True.
+
+CPU, one option, opt-in: `JAXSORA_CPU_MATMUL=onednn` has XLA:CPU (x86-64) run every matmul through oneDNN, one
 oneDNN call per dot (`xla_cpu_use_onednn` with the INDIVIDUAL_DOT fusion type), instead of YNNPACK, XLA:CPU's
 default ("xla"). On the 2-core AVX-512 host of `bench/step.py` (jaxlib 0.10.2, 2026-11-28) oneDNN ran the
 attention's batched matmuls 1.5-1.9x as fast as YNNPACK (cross-attention's Q·Kᵀ at `realistic`,
@@ -29,6 +46,17 @@ from jaxsora.errors import BadInput
 
 ENV = "JAXSORA_CPU_MATMUL"  # "xla" (default) or "onednn"
 CHOICES = ("xla", "onednn")
+GPU_ENV = "JAXSORA_GPU_XLA"  # comma-separated names of GPU_VARIANTS ("" or unset: XLA's defaults)
+# XLA:GPU's default command buffer kinds (debug_options_flags.cc), for the variant that adds to them
+_DEFAULT_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+GPU_VARIANTS = {
+    "lhs": {"xla_gpu_enable_latency_hiding_scheduler": True},
+    "no-triton-gemm": {"xla_gpu_enable_triton_gemm": False},
+    "cudnn-layer-norm": {"xla_gpu_enable_cudnn_layer_norm": True},
+    "no-command-buffer": {"xla_gpu_enable_command_buffer": ""},
+    "command-buffer-loops": {"xla_gpu_enable_command_buffer": _DEFAULT_COMMAND_BUFFERS + ",WHILE,CONDITIONAL"},
+    "cublaslt": {"xla_gpu_enable_cublaslt": True},
+}
 ONEDNN_DOTS = {
     "xla_cpu_use_onednn": True,
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
@@ -46,8 +74,34 @@ def cpu_matmul() -> str:
     return choice
 
 
+def gpu_variants() -> tuple[str, ...]:
+    """The GPU variants asked for: $JAXSORA_GPU_XLA's names, () when unset (checked before any jax work)."""
+    names = tuple(n.strip().lower() for n in os.environ.get(GPU_ENV, "").split(",") if n.strip())
+    bad = [n for n in names if n not in GPU_VARIANTS]
+    if bad:
+        raise BadInput(f"{GPU_ENV}: unknown variant {bad[0]!r}; known: {', '.join(GPU_VARIANTS)}")
+    return names
+
+
+def gpu_options(names=None) -> dict | None:
+    """The XLA:GPU options of these variants (default: $JAXSORA_GPU_XLA's), merged in order; None for none."""
+    names = gpu_variants() if names is None else names
+    out: dict = {}
+    for n in names:
+        out.update(GPU_VARIANTS[n])
+    return out or None
+
+
+def check_env() -> None:
+    """Both variables read, so that a misspelt value is one line before any work (the commands' front)."""
+    cpu_matmul()
+    gpu_variants()
+
+
 def for_platform(platform: str) -> dict | None:
     """The compiler options for a program on `platform` ("cpu", "gpu", "tpu"), or None (XLA's defaults)."""
+    if platform in ("gpu", "cuda", "rocm"):
+        return gpu_options()
     if platform != "cpu" or cpu_matmul() == "xla":
         return None
     warnings.filterwarnings("ignore", message=_CACHE_WARNING)  # before the probe, which is such a program too

@@ -10,6 +10,9 @@ it is searched at the largest H×W among them: of the table's plan with `--data-
 config; the output JSON is a `data.bucket_config` — train with
 `--config.data.bucket_config_file=bucket_config.json`.
 
+With `model.remat="auto"` (the stage configs) every bucket is searched at full remat, the policy that fits
+the most; training then picks, per bucket, the cheapest remat that fits the batch found.
+
 The device memory is the device's own, or `--config.train.device_memory_gib` (e.g. 80 to plan for
 an H100 from a CPU machine with `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
 `--no-progress` hides the progress bar.

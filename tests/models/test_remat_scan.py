@@ -3,6 +3,10 @@ the same loss and gradients as the plain model, and — since none of them chang
 is checked in the compiled program too: remat puts its barriers in the traced program and its
 recomputation in the compiled one, a scan compiles one pair whatever the depth, and rematerialized
 scanned blocks need less memory."""
+import contextlib
+import io
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +14,9 @@ import pytest
 from flax import nnx
 
 from jaxsora.convert import to_torch_state_dict
+from jaxsora.models.config import REMAT_SAVED_NAMES, RematChoice
 from jaxsora.models.presets import get_model_config
-from jaxsora.models.stdit3 import REMAT_POLICIES, STDiT3
+from jaxsora.models.stdit3 import REMAT_POLICIES, STDiT3, remat_override
 
 X = np.random.default_rng(0).standard_normal((2, 4, 3, 8, 8)).astype(np.float32)
 T = np.array([100.0, 700.0], np.float32)
@@ -37,7 +42,7 @@ def plain():
     return state, _grad_fn(graphdef)(state)
 
 
-CASES = [dict(remat=p) for p in REMAT_POLICIES if p != "none"] + [
+CASES = [dict(remat=p) for p in REMAT_POLICIES if p != "none"] + [dict(remat="auto"),
     dict(remat="full", remat_blocks=1), dict(scan_blocks=True), dict(scan_blocks=True, remat="full"),
     dict(scan_blocks=True, remat="dots_with_no_batch_dims", remat_blocks=2)]
 
@@ -107,3 +112,50 @@ def test_bad_remat_settings_are_refused(bad):
 def test_old_boolean_remat_still_reads():
     assert get_model_config("tiny", remat=True).remat == "full"
     assert get_model_config("tiny", remat=False).remat == "none"
+
+
+def _saved(graphdef, state) -> list[str]:
+    """What the backward of the loss keeps, one line per residual (jax's own report of them)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda s: jnp.mean(nnx.merge(graphdef, s)(X, T, Y, MASK) ** 2), state)
+    return out.getvalue().splitlines()
+
+
+def _names(lines) -> dict:
+    counts = {}
+    for line in lines:
+        m = re.search(r"named '(\w+)'", line)
+        if m:
+            counts[m[1]] = counts.get(m[1], 0) + 1
+    return counts
+
+
+# Outside the blocks the caption embedder's MLP keeps its named outputs as any layer without remat does
+OUTSIDE_BLOCKS = dict(mlp_hidden=1, mlp_out=1)
+
+
+@pytest.mark.parametrize("policy", sorted(REMAT_SAVED_NAMES))
+def test_named_policies_keep_exactly_their_matmul_outputs(policy):
+    """Each named policy keeps the outputs its names say, of every block and nothing else named: per block
+    (depth 3: 6 blocks) three q/k/v projections (self qkv, cross q, cross kv), two attention outputs, two output
+    projections, one MLP hidden state and one MLP output."""
+    graphdef, state = _split(remat=policy)
+    per_block = dict(qkv=3, attn_out=2, proj=2, mlp_hidden=1, mlp_out=1)
+    want = {n: 6 * per_block[n] for n in REMAT_SAVED_NAMES[policy]}
+    for n, k in OUTSIDE_BLOCKS.items():
+        want[n] = want.get(n, 0) + k
+    assert _names(_saved(graphdef, state)) == want
+
+
+def test_auto_outside_the_plan_and_the_override():
+    """An unresolved "auto" (a model traced outside the train step's plan) keeps what full remat keeps; the
+    override the train step traces each bucket under replaces the config's remat."""
+    full = _saved(*_split(remat="full"))
+    assert _names(full) == OUTSIDE_BLOCKS  # full: nothing of the blocks
+    auto_graphdef, state = _split(remat="auto")
+    assert _saved(auto_graphdef, state) == full
+    with remat_override(RematChoice("save_qkv_proj")):
+        assert _names(_saved(auto_graphdef, state)) == dict(qkv=18, proj=12, **OUTSIDE_BLOCKS)
+    with remat_override(RematChoice("full", 1)):  # one pair of three rematerialized: the other two keep all
+        assert _names(_saved(auto_graphdef, state))["mlp_hidden"] == 4 + OUTSIDE_BLOCKS["mlp_hidden"]

@@ -1,7 +1,9 @@
 """With JAXSORA_CPU_MATMUL=onednn, XLA:CPU programs run their matmuls through oneDNN
 (`jaxsora.parallel.compile_options`). The path changes only speed and rounding, so an equality test would pass if
 it never ran: the compiled train step and sampler are read for oneDNN calls, and for Linear-layer matmuls left
-anywhere else. Unset (the default), no options."""
+anywhere else. Unset (the default), no options. JAXSORA_GPU_XLA names XLA:GPU variants: no GPU here, so their
+options are checked by name and value against this jaxlib's XLA (its debug options are one set for every backend:
+a CPU compile refuses a misspelt name or an invalid value)."""
 import platform
 import re
 
@@ -90,10 +92,38 @@ def test_sampler_matmuls_run_through_onednn(monkeypatch):
     _assert_linear_matmuls_in_onednn(hlo)
 
 
+def test_gpu_variants_by_name(monkeypatch):
+    monkeypatch.delenv(compile_options.GPU_ENV, raising=False)
+    assert compile_options.for_platform("gpu") is None  # the default: XLA:GPU's own
+    monkeypatch.setenv(compile_options.GPU_ENV, "lhs, no-triton-gemm")
+    assert compile_options.for_platform("gpu") == {"xla_gpu_enable_latency_hiding_scheduler": True,
+                                                   "xla_gpu_enable_triton_gemm": False}
+    assert compile_options.for_platform("cpu") is None  # CPU programs keep their own
+    monkeypatch.setenv(compile_options.GPU_ENV, "lhs,no-command-buffers")
+    with pytest.raises(BadInput, match="JAXSORA_GPU_XLA: unknown variant 'no-command-buffers'; known: lhs, "):
+        compile_options.for_platform("gpu")
+
+
+@pytest.mark.parametrize("name", sorted(compile_options.GPU_VARIANTS))
+def test_gpu_variant_options_exist_in_xla(name):
+    """Each variant's options, names and values, compile (on CPU) with this jaxlib; a misspelt one does not."""
+    import jax
+
+    fn = jax.jit(lambda x: (x @ x).sum()).lower(jnp.ones((8, 8)))
+    fn.compile(compiler_options=compile_options.GPU_VARIANTS[name])
+    with pytest.raises(Exception, match="No such compile option"):
+        fn.compile(compiler_options={k + "_x": v for k, v in compile_options.GPU_VARIANTS[name].items()})
+
+
+@pytest.mark.parametrize("env, said", [
+    ({compile_options.ENV: "mkl"}, "JAXSORA_CPU_MATMUL must be 'xla' or 'onednn', got 'mkl'"),
+    ({compile_options.GPU_ENV: "lhs,fast"}, "JAXSORA_GPU_XLA: unknown variant 'fast'; known: "
+                                            + ", ".join(compile_options.GPU_VARIANTS))])
 @pytest.mark.parametrize("command", [["jaxsora.train", "--config", "configs/demo.py"],
                                      ["jaxsora.sample", "outputs/nowhere", "--prompt", "a red square"]])
-def test_misspelt_choice_stops_a_command_before_jax(command):
-    """`JAXSORA_CPU_MATMUL=mkl python -m jaxsora.train|sample ...`: one line, exit code 2, jax not imported."""
+def test_misspelt_choice_stops_a_command_before_jax(command, env, said):
+    """`JAXSORA_CPU_MATMUL=mkl python -m jaxsora.train|sample ...` (or a GPU variant misspelt): one line, exit code
+    2, jax not imported."""
     import os
     import subprocess
     import sys
@@ -101,10 +131,9 @@ def test_misspelt_choice_stops_a_command_before_jax(command):
     from tests.test_config_import import HEAVY, REPO
 
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", *command], capture_output=True, text=True,
-                       cwd=REPO, timeout=120, env={**os.environ, compile_options.ENV: "mkl"})
+                       cwd=REPO, timeout=120, env={**os.environ, **env})
     lines = r.stderr.splitlines()
     errors = [ln for ln in lines if not ln.startswith("import time:")]
     imported = {ln.split("|")[-1].strip() for ln in lines if ln.startswith("import time:")}
-    said = f"{command[0]}: JAXSORA_CPU_MATMUL must be 'xla' or 'onednn', got 'mkl'"
-    assert r.returncode == 2 and errors == [said], r.stderr[-3000:]
+    assert r.returncode == 2 and errors == [f"{command[0]}: {said}"], r.stderr[-3000:]
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))

@@ -55,6 +55,9 @@ CHANGES = {
     "vae.downsample": lambda c: c.vae.update(downsample=(1, 4, 4)),
     "train.seed": lambda c: c.train.update(seed=c.train.seed + 1),
     "train.max_param_norm_growth": lambda c: c.train.update(max_param_norm_growth=3.0),
+    # the budget model.remat="auto" chooses each bucket's remat under
+    "train.device_memory_gib": lambda c: c.train.update(device_memory_gib=1.5),
+    "train.remat_memory_fraction": lambda c: c.train.update(remat_memory_fraction=0.5),
     "mesh": lambda c: c.mesh.update(data=2),
 }
 
@@ -75,6 +78,16 @@ def test_a_jax_option_read_while_tracing_separates_runs(fresh_cache, tmp_path):
     base = setup_run(small_config(tmp_path, mesh=(1, 1, 1)))
     with jax.default_matmul_precision("bfloat16"):
         assert setup_run(small_config(tmp_path, mesh=(1, 1, 1))).step is not base.step
+
+
+def test_compiler_options_separate_runs(fresh_cache, tmp_path, monkeypatch):
+    """A step is jitted with the XLA options of its platform ($JAXSORA_GPU_XLA, $JAXSORA_CPU_MATMUL), read when it
+    is built: a run under other options does not reuse it."""
+    from jaxsora.parallel import compile_options
+
+    base = setup_run(small_config(tmp_path, mesh=(1, 1, 1)))
+    monkeypatch.setattr(compile_options, "of_mesh", lambda mesh: {"xla_cpu_enable_fast_math": False})
+    assert setup_run(small_config(tmp_path, mesh=(1, 1, 1))).step is not base.step
 
 
 def test_setup_reads_only_the_step_fields(tmp_path):

@@ -24,7 +24,9 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
     state_bytes = bytes_per_device(plan.abstract_sharded)
     mcfg = setup.model_config
     lines = [f"model {config.model.get('name')}: {n_params:,} numbers ({n_train:,} trainable); "
-             f"remat {mcfg.remat} ({'all' if mcfg.remat_blocks < 0 else mcfg.remat_blocks} block pairs), "
+             f"remat {mcfg.remat}"
+             + (" (chosen per bucket, below)" if mcfg.remat == "auto" else "" if mcfg.remat == "none" else
+                f" ({'all' if mcfg.remat_blocks < 0 else mcfg.remat_blocks} block pairs)") + ", "
              f"scan_blocks {mcfg.scan_blocks}, compute {mcfg.compute_dtype}",
              f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({jax.process_count()} processes)",
              f"train state per device (params, frozen, EMA, Adam): {state_bytes / memory.GIB:.2f} GiB"]
@@ -45,15 +47,19 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
     if jax.process_index() == 0:
         print("\n".join(lines), flush=True)
     limit = memory.device_memory_limit(config)
+    budget = memory.remat_budget(config, limit)
     # every bucket the table's rows fall into, also those too small for a full batch in this epoch:
     # the table is for planning (a sample of the real data, a new machine, another mesh)
     shapes = [(b, gb) for b, nb, gb, rows in plan_rows if rows > 0]
     rows = memory.compile_buckets(setup, shapes, limit=limit, threads=memory.compile_threads(config),
-                                  progress=jax.process_index() == 0)
+                                  progress=jax.process_index() == 0, budget=budget)
     table = memory.format_table(rows)
+    choices = memory.format_choices(rows, budget)
     if jax.process_index() == 0:
         print(f"per-device memory of the compiled train step ({len(rows)} bucket shapes):")
         print(table, flush=True)
+        if choices:
+            print(choices, flush=True)
         for note in memory.backend_notes(setup.model_config):
             print(f"note: {note}")
     eval_rows = None

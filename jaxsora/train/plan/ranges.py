@@ -21,6 +21,8 @@ RANGES = {
     "train.watchdog_min_seconds": (1.0, None, "never report a stall shorter than this"),
     "train.device_memory_gib": (0.0, None, "0: the device's own limit"),
     "train.compile_threads": (0, None, "0: min(8, CPUs)"),
+    "train.remat_memory_fraction": (0.0, 1.0, "the share of the device's memory model.remat=auto plans a bucket "
+                                              "into; must be > 0"),
     "train.seed": (0, None, ""),
     "optim.lr": (0.0, None, "must be > 0"),
     "optim.warmup_steps": (0, None, ""),
@@ -53,7 +55,8 @@ RANGES = {
     "lora.dropout": (0.0, 1.0, "on the adapters' input, training only; must be < 1"),
 }
 # Knobs where the low end itself is meaningless (a zero learning rate, eps or scale).
-_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale", "lora.alpha"}
+_EXCLUSIVE_LOW = {"optim.lr", "optim.eps", "scheduler.scale", "scheduler.transform_scale", "lora.alpha",
+                  "train.remat_memory_fraction"}
 # 0 is allowed besides the range (an "off" switch).
 _ZERO_MEANS_OFF = {"train.max_param_norm_growth"}
 

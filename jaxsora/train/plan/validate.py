@@ -72,7 +72,7 @@ def check_before_jax(config, opts) -> None:
     `train()` runs them again (`validate_config`; `check_table` remembers a table it has read)."""
     check_ranges(config)
     check_run_flags(opts)
-    compile_options.cpu_matmul()  # $JAXSORA_CPU_MATMUL
+    compile_options.check_env()  # $JAXSORA_CPU_MATMUL, $JAXSORA_GPU_XLA
     profile_range(opts.profile)
     _check_wandb_mode(config)
     _check_paths_exist(config, opts)

@@ -30,6 +30,7 @@ import ml_collections
 
 from jaxsora.models import lora as lora_lib
 from jaxsora.models.config import STDiT3Config
+from jaxsora.parallel import compile_options
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.contracts import Loader
@@ -79,9 +80,12 @@ class RunSetup:
 
 # The fields of a run config that `setup_run` builds from: the mesh, the encoders, the STDiT3 config, the
 # optimizer and schedule, the state plan and the step. The rest (outputs, lengths, logging, checkpointing, data
-# order and loading, eval, wandb, sampling) never reaches the step; None: the whole section.
+# order and loading, eval, wandb, sampling) never reaches the step; None: the whole section. The device memory
+# and its share for remat are here too: with model.remat="auto" a step's executables are the remat the compile
+# plan chose under them, which a run with another budget must not reuse.
 STEP_FIELDS = {"mesh": None, "model": None, "optim": None, "scheduler": None, "mask_ratios": None, "lora": None,
-               "vae": None, "text_encoder": None, "train": ("seed", "max_param_norm_growth"),
+               "vae": None, "text_encoder": None,
+               "train": ("seed", "max_param_norm_growth", "device_memory_gib", "remat_memory_fraction"),
                "data": ("features", "text_cache")}
 
 
@@ -121,6 +125,8 @@ def _step_key(sc, mesh: jax.sharding.Mesh, rules, encoders: build.Encoders, abst
                for p, x in jax.tree_util.tree_leaves_with_path(encoders.weights)]
     options = {name: str(getattr(jax.config, name, None)) for name in (
         "jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl", "jax_threefry_partitionable")}
+    # the XLA options the step is jitted with ($JAXSORA_CPU_MATMUL, $JAXSORA_GPU_XLA): read when it is built
+    options["compiler_options"] = repr(sorted((compile_options.of_mesh(mesh) or {}).items()))
     return json.dumps(dict(config=json.loads(sc.to_json_best_effort(sort_keys=True)), abstract=abstract,
                            devices=[int(d.id) for d in mesh.devices.flat], axes=list(mesh.axis_names),
                            shape=list(mesh.devices.shape), rules=repr(rules), weights=weights, options=options,

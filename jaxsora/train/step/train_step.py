@@ -27,7 +27,9 @@ from flax import nnx
 from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
 from jaxsora.diffusion.masks import MaskGenerator
+from jaxsora.models.config import RematChoice
 from jaxsora.models.lora import dropout_rng as lora_dropout_rng
+from jaxsora.models.stdit3 import remat_override
 from jaxsora.parallel import compile_options
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
@@ -171,6 +173,16 @@ def batch_key(batch: dict) -> tuple:
     return tuple(sorted((k, tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in batch.items()))
 
 
+# Batch entries that change with the captions' cut length (`data.text_lengths`), not with the bucket
+TEXT_ENTRIES = ("ids", "text_mask")
+
+
+def bucket_key(batch: dict) -> tuple:
+    """What a bucket is, for the remat the compile plan chose for it: the batch's entries except the text
+    (a batch of the same bucket with shorter captions runs with that bucket's choice)."""
+    return tuple(x for x in batch_key(batch) if x[0] not in TEXT_ENTRIES)
+
+
 @dataclasses.dataclass
 class CompileInfo:
     """What XLA says about one compiled step (per device: the program is SPMD-partitioned)."""
@@ -206,46 +218,79 @@ class TrainStep:
     nothing at all — and compute the same numbers, so nothing else would notice. There is one
     executable per batch shape (bucket): `compile` builds it ahead of time from shapes alone (the
     memory check before step 0 reads `CompileInfo`), a call with a new shape compiles it first.
-    The state argument is donated.
+    The state argument is donated. With `model.remat="auto"` each bucket's executable is traced with the
+    remat its compile plan chose (`remat`, `adopt`; `jaxsora.train.plan.memory.choose_remat`).
     """
 
     def __init__(self, step_fn: Callable, plan: StatePlan):
         self.step_fn, self.plan = step_fn, plan
         self.mesh, self.rules = plan.mesh, plan.rules
-        self._jit = jax.jit(self._traced, donate_argnums=(0,), out_shardings=(plan.shardings, plan.replicated),
-                            compiler_options=compile_options.of_mesh(self.mesh))
+        self._jits: dict = {}  # RematChoice | None → its jax.jit (a trace of its own per choice)
+        self._jit = self._jit_for(None)
         self.executables: dict = {}
         self.info: dict = {}
+        # bucket_key → the RematChoice the compile plan made for `model.remat="auto"` (jaxsora.train.plan.memory)
+        self.remat: dict = {}
         self._lock = threading.Lock()
 
-    def _traced(self, state, batch, encoders):
-        with logical_rules(self.rules):
-            return self.step_fn(state, batch, encoders)
+    def _jit_for(self, remat: RematChoice | None):
+        """The step jitted with the blocks' remat overridden by `remat` (None: the model config's). One jax.jit
+        per choice: jit caches a trace by its function, so two choices must not share one."""
+        if remat not in self._jits:
+            def traced(state, batch, encoders):
+                with logical_rules(self.rules), remat_override(remat):
+                    return self.step_fn(state, batch, encoders)
 
-    def lower(self, batch_spec: dict, encoders):
-        """Trace for abstract (or real) inputs; the state is the plan's abstract sharded state."""
+            self._jits[remat] = jax.jit(traced, donate_argnums=(0,),
+                                        out_shardings=(self.plan.shardings, self.plan.replicated),
+                                        compiler_options=compile_options.of_mesh(self.mesh))
+        return self._jits[remat]
+
+    def remat_for(self, batch_spec: dict) -> RematChoice | None:
+        """The remat chosen for this batch's bucket (None: none chosen, the model config's)."""
+        return self.remat.get(bucket_key(batch_spec))
+
+    def lower(self, batch_spec: dict, encoders, remat: RematChoice | None = None):
+        """Trace for abstract (or real) inputs; the state is the plan's abstract sharded state. remat: the
+        blocks' remat for this trace (None: the one chosen for this bucket, else the model config's)."""
+        remat = remat if remat is not None else self.remat_for(batch_spec)
         with jax.set_mesh(self.mesh):
-            return self._jit.lower(self.plan.abstract_sharded, batch_spec, encoders)
+            return self._jit_for(remat).lower(self.plan.abstract_sharded, batch_spec, encoders)
 
     def compiled(self, batch_spec: dict) -> bool:
         """Whether the executable for this batch shape exists already."""
         return batch_key(batch_spec) in self.info
 
-    def compile(self, batch_spec: dict, encoders, lowered=None, keep: bool = True) -> CompileInfo:
+    def compile(self, batch_spec: dict, encoders, lowered=None, keep: bool = True,
+                remat: RematChoice | None = None) -> CompileInfo:
         """Compile (once) the executable for this batch shape; thread-safe, so that several
-        buckets compile side by side (XLA releases the GIL). keep=False: only measure it."""
+        buckets compile side by side (XLA releases the GIL). keep=False: only measure it.
+        remat: as `lower` (a `lowered` given must have been traced with it)."""
         key = batch_key(batch_spec)
         if key in self.info:
             return self.info[key]
-        t0 = time.perf_counter()
-        lowered = lowered if lowered is not None else self.lower(batch_spec, encoders)
-        compiled = lowered.compile()
-        info = CompileInfo.of(compiled, time.perf_counter() - t0)
+        compiled, info = self.compile_candidate(batch_spec, encoders, remat, lowered)
         if not keep:
             return info
+        return self.adopt(batch_spec, compiled, info, remat)
+
+    def compile_candidate(self, batch_spec: dict, encoders, remat: RematChoice | None = None, lowered=None):
+        """(compiled executable, CompileInfo) of this batch shape with this remat, kept nowhere: the compile
+        plan measures candidates with it and `adopt`s the one it picks."""
+        t0 = time.perf_counter()
+        lowered = lowered if lowered is not None else self.lower(batch_spec, encoders, remat)
+        compiled = lowered.compile()
+        return compiled, CompileInfo.of(compiled, time.perf_counter() - t0)
+
+    def adopt(self, batch_spec: dict, compiled, info: CompileInfo, remat: RematChoice | None = None) -> CompileInfo:
+        """Keep `compiled` as this batch shape's executable (the first one kept wins), and `remat` as its
+        bucket's choice: later shapes of the bucket (shorter captions) compile with it too."""
+        key = batch_key(batch_spec)
         with self._lock:
             self.executables.setdefault(key, compiled)
             self.info.setdefault(key, info)
+            if remat is not None:
+                self.remat.setdefault(bucket_key(batch_spec), remat)
         return self.info[key]
 
     def loss_and_grads(self, state, batch: dict, encoders):
