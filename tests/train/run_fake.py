@@ -38,10 +38,11 @@ os.environ["XLA_FLAGS"] = cpu_flags(args.devices)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxsora.parallel.distributed import initialize  # noqa: E402
+from jaxsora.train.run import agent  # noqa: E402
 from tests.multiprocess_cache import share_compilation_cache  # noqa: E402
 
 share_compilation_cache()
-initialize(agent=True)  # as `python -m jaxsora.train`: a multi-process trainer gets its parent
+initialize(before_connect=agent.start)  # as `python -m jaxsora.train`: a multi-process trainer gets its parent
 import jax  # noqa: E402
 
 from jaxsora.train.run.loop import NonFiniteError, RunOptions, train  # noqa: E402
