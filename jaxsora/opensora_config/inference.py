@@ -13,8 +13,9 @@ import dataclasses
 import os
 from typing import Any
 
+from jaxsora.opensora_config.mapping import REQUIRED, Ctx, Row, apply_table
 from jaxsora.opensora_config.reader import read_config
-from jaxsora.opensora_config.train import DTYPES, OPEN_SORA_MODELS, REQUIRED, Ctx, Row, _apply, _false_only, _fixed
+from jaxsora.opensora_config.train import DTYPES, OPEN_SORA_MODELS, _false_only, _fixed
 
 
 @dataclasses.dataclass
@@ -132,7 +133,7 @@ def _model_weights(value, ctx, key, present):
 def _vae(value, ctx, key, present):
     from jaxsora.opensora_config.train import VAE_KEYS
 
-    _apply(VAE_KEYS, value, ctx, prefix="vae.")
+    apply_table(VAE_KEYS, value, ctx, prefix="vae.")
     if (ctx.out.vae or {}).get("kind") == "opensora":  # the VAE runs in the inference dtype (Open-Sora: .to(dtype))
         ctx.out.set("vae.dtype", DTYPES.get(ctx.get("dtype", "bf16"), "bfloat16"), "dtype")
 
@@ -140,7 +141,7 @@ def _vae(value, ctx, key, present):
 def _text_encoder(value, ctx, key, present):
     from jaxsora.opensora_config.train import TEXT_KEYS
 
-    _apply(TEXT_KEYS, value, ctx, prefix="text_encoder.")
+    apply_table(TEXT_KEYS, value, ctx, prefix="text_encoder.")
 
 
 def _score(dest):
@@ -166,7 +167,7 @@ def _scheduler(value, ctx, key, present):
         "use_discrete_timesteps": Row(_fixed(False, "jaxsora samples continuous timesteps"), False, "bool"),
         **{k: Row(None, None, note="training only") for k in ("sample_method", "loc", "scale", "transform_scale")},
     }
-    _apply(table, value, ctx, prefix="scheduler.")
+    apply_table(table, value, ctx, prefix="scheduler.")
 
 
 # Open-Sora inference key → Row(sampler option / spec / handler, Open-Sora's value when absent, kind, note).
@@ -211,7 +212,7 @@ INFERENCE_KEYS: dict[str, Row] = {
     "verbose": Row(_arg("verbose"), None, "int"),
     "watermark": Row(None, None, "bool", note="jaxsora writes no watermark"),
     # model and encoders
-    "model": Row(lambda v, c, k, p: _apply({
+    "model": Row(lambda v, c, k, p: apply_table({
         "type": Row(_model_type, REQUIRED, "str"),
         "from_pretrained": Row(_model_weights, None, "str|None"),
         "qk_norm": Row(None, None, "bool", note="the checkpoint's model decides"),
@@ -229,7 +230,7 @@ def read_inference(path: str) -> InferenceConfig:
     """Read the Open-Sora inference config `path` (ConfigError naming the first problem)."""
     raw = read_config(path)
     out = InferenceConfig(path=path)
-    _apply(INFERENCE_KEYS, raw, Ctx(path, raw, out))
+    apply_table(INFERENCE_KEYS, raw, Ctx(path, raw, out))
     return out
 
 

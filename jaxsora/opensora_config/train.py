@@ -19,17 +19,14 @@ jaxsora's `configs/base.py` for everything Open-Sora has no key for (mesh, check
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-from jaxsora.errors import ConfigError
+from jaxsora.opensora_config.mapping import REQUIRED, Ctx, Row, Translation, apply_table, fmt, is_int, is_num
 from jaxsora.opensora_config.reader import plain, read_config
 
-REQUIRED = object()  # Open-Sora fails without the key
 # The model types jaxsora builds: Open-Sora's registered STDiT3 builders (and jaxsora's small presets).
 OPEN_SORA_MODELS = ("STDiT3-XL/2", "STDiT3-3B/2")
 # Open-Sora 1.2's dtype names (`to_torch_dtype`).
@@ -39,168 +36,6 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16",
 # the folder the Open-Sora docs (and jaxsora's configs/base.py) download them to.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
-
-# --------------------------------------------------------------------------------------------------------
-# what a translation is
-# --------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Setting:
-    key: str        # jaxsora key, "group.name"
-    value: Any
-    source: str     # the Open-Sora key (and value) it comes from, for the translated file's comments
-
-
-@dataclasses.dataclass
-class Translation:
-    """An Open-Sora file read into jaxsora terms. `config()` builds the run config from configs/base.py."""
-    path: str
-    settings: list[Setting] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)       # reported once at the start
-    flags: dict[str, Any] = dataclasses.field(default_factory=dict)  # load / ckpt_path / start_from_scratch
-    data_path_key: str = "data.table"  # where --data-path goes (data.features for BatchFeatureDataset)
-
-    def set(self, key: str, value: Any, source: str) -> None:
-        self.settings = [s for s in self.settings if s.key != key]
-        self.settings.append(Setting(key, value, source))
-
-    def note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
-
-    def config(self):
-        """configs/base.py's config with every setting applied (unlocked)."""
-        c = base_config()
-        for s in self.settings:
-            assign(c, s.key, s.value)
-        return c
-
-
-def jaxsora_configs_dir() -> str:
-    """The `configs/` folder of the jaxsora checkout this package runs from."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-
-
-def base_config():
-    """jaxsora's `configs/base.py` `get_config()` (loaded by path as the `configs` package)."""
-    import importlib
-
-    from jaxsora.cli import register_configs_package
-
-    path = os.path.join(jaxsora_configs_dir(), "base.py")
-    if not os.path.isfile(path):
-        raise ConfigError(f"jaxsora's configs/base.py is not at {path}: an Open-Sora config is read on top of it "
-                          "(run from a jaxsora checkout)")
-    register_configs_package(path)
-    return importlib.import_module("configs.base").get_config()
-
-
-def assign(c, key: str, value) -> None:
-    """c[group][name] = value (a dict value replaces the group's field whole)."""
-    node = c
-    *parents, last = key.split(".")
-    for p in parents:
-        node = node[p]
-    try:
-        setattr(node, last, value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{key} = {value!r}: {e}") from None
-
-
-# --------------------------------------------------------------------------------------------------------
-# value checks
-# --------------------------------------------------------------------------------------------------------
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "int": ("an integer", _is_int),
-    "number": ("a number", _is_num),
-    "bool": ("True or False", lambda v: isinstance(v, bool)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "dict": ("a dict", lambda v: isinstance(v, Mapping)),
-    "int|None": ("an integer or None", lambda v: v is None or _is_int(v)),
-    "str|None": ("a string or None", lambda v: v is None or isinstance(v, str)),
-    "dict|None": ("a dict or None", lambda v: v is None or isinstance(v, Mapping)),
-    "any": ("anything", lambda v: True),
-}
-
-
-class Ctx:
-    """What a handler sees: the file's whole config, the translation being built, and where it is."""
-
-    def __init__(self, path: str, raw: dict, out: Translation):
-        self.path, self.raw, self.out = path, raw, out
-
-    def fail(self, msg: str):
-        raise ConfigError(f"{self.path}: {msg}")
-
-    def get(self, dotted: str, default=None):
-        node = self.raw
-        for part in dotted.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return default
-            node = node[part]
-        return node
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One Open-Sora key. `to`: a jaxsora key, a tuple of them, or a handler `f(value, ctx, key)`; None with
-    `note`: meaningless here (the note, formatted with {value}, is reported when the file sets the key).
-    `absent`: Open-Sora's value when the file leaves the key out (REQUIRED: Open-Sora fails without it;
-    None with a None `to`: nothing to do)."""
-    to: str | tuple | Callable | None
-    absent: Any = None
-    kind: str = "any"
-    note: str | None = None
-    convert: Callable | None = None
-
-
-def _fmt(v) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
-
-
-def _apply(table: Mapping[str, Row], values: Mapping, ctx: Ctx, prefix: str = "") -> None:
-    """Every key of `values` must be in `table`; each row of the table is applied (absent keys with
-    Open-Sora's default)."""
-    for key in values:
-        if key not in table:
-            where = f"{prefix}{key}"
-            near = difflib.get_close_matches(str(key), list(table), n=1)
-            hint = f" (did you mean {prefix}{near[0]}?)" if near else ""
-            group = f"the {prefix[:-1]} dict" if prefix else "Open-Sora 1.2's scripts/train.py or the LambdaLabs fork"
-            ctx.fail(f"unknown Open-Sora config key {where!r}{hint}: it is not a key of {group}; "
-                     "jaxsora-only settings go in jaxsora = dict(group=dict(key=value))")
-    for key, row in table.items():
-        full = f"{prefix}{key}"
-        present = key in values
-        value = values[key] if present else row.absent
-        if value is REQUIRED:
-            ctx.fail(f"{full} is not set (Open-Sora's train.py needs it)")
-        if present:
-            what, ok = KINDS[row.kind]
-            if not ok(value):
-                ctx.fail(f"{full} = {value!r}: expected {what}")
-        if row.to is None:
-            if present and row.note:
-                ctx.out.note(f"{full} {_fmt(value)}: {row.note}")
-            continue
-        if callable(row.to):
-            row.to(value, ctx, full, present)
-            continue
-        if not present and row.absent is None:
-            continue  # Open-Sora has no default: jaxsora's stays
-        if present and row.note:
-            ctx.out.note(f"{full} {_fmt(value)}: {row.note}")
-        v = row.convert(value) if row.convert else value
-        for target in (row.to,) if isinstance(row.to, str) else row.to:
-            src = f"{full} = {_fmt(value)}" if present else f"{full} absent: Open-Sora's {_fmt(value)}"
-            ctx.out.set(target, v, src)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -223,7 +58,7 @@ def _dtype(value, ctx, key, present):
         ctx.fail(f"{key} = {value!r}: expected bf16 (or fp32)")
     if name == "float16":
         ctx.fail(f"{key} = 'fp16': jaxsora trains in bf16 or fp32 (no fp16 loss scaling as ColossalAI's); use bf16")
-    src = f"{key} = {_fmt(value)}" if present else f"{key} absent: Open-Sora's 'bf16'"
+    src = f"{key} = {fmt(value)}" if present else f"{key} absent: Open-Sora's 'bf16'"
     for target in ("model.compute_dtype", "vae.dtype", "text_encoder.dtype", "text_encoder.param_dtype"):
         ctx.out.set(target, name, src)
     if name == "float32":
@@ -231,8 +66,13 @@ def _dtype(value, ctx, key, present):
 
 
 def _remat(value, ctx, key, present):
-    ctx.out.set("model.remat", "full" if value else "none",
+    """Open-Sora checkpoints every block to fit the device: jaxsora's "auto" picks, per bucket, the cheapest remat
+    that fits (full where only full does; the numbers are the same with any remat)."""
+    ctx.out.set("model.remat", "auto" if value else "none",
                 f"{key} = {value}" if present else f"{key} absent: Open-Sora's False")
+    if present and value:
+        ctx.out.note(f"{key} True: model.remat 'auto': per bucket the cheapest remat whose step fits the device's "
+                     "memory (full where only full fits; --config.model.remat=full for Open-Sora's every block)")
 
 
 def _plugin(value, ctx, key, present):
@@ -245,7 +85,7 @@ def _plugin(value, ctx, key, present):
             ctx.out.note("plugin 'zero2': parameters, gradients and optimizer state are sharded over the mesh's fsdp "
                          "axis (mesh.fsdp = -1: every device), as ZeRO-2 shards them over the ranks")
     elif value == "zero2-seq":
-        if not (_is_int(sp) and sp > 1):
+        if not (is_int(sp) and sp > 1):
             ctx.fail("plugin 'zero2-seq' needs sp_size > 1 (as Open-Sora's)")
         ctx.out.note(f"plugin 'zero2-seq': the mesh's sequence axis has sp_size = {sp} devices (Ulysses attention); "
                      "parameters and optimizer state are sharded over its fsdp axis")
@@ -303,7 +143,7 @@ def _prefetch(value, ctx, key, present):
 
 def _mask_ratios(value, ctx, key, present):
     # The ratios themselves (types, sum) are checked with the run config (validate_config: MaskGenerator).
-    if value and not all(isinstance(k, str) and _is_num(v) for k, v in value.items()):
+    if value and not all(isinstance(k, str) and is_num(v) for k, v in value.items()):
         ctx.fail(f"{key} = {value!r}: expected {{mask type: probability}}")
     ctx.out.set("mask_ratios", dict(value or {}),
                 f"{key} (the file's)" if present else f"{key} absent: Open-Sora passes no frame mask")
@@ -327,7 +167,7 @@ def _schedule(value, ctx, key, present):
     OneCycleScheduler (min → max over warmup, max → lr over cooldown, then lr); otherwise LinearWarmupLR."""
     warmup = ctx.get("warmup_steps")
     kind = ctx.get("lr_schedule")
-    if warmup is not None and (not _is_int(warmup) or warmup < 0):
+    if warmup is not None and (not is_int(warmup) or warmup < 0):
         ctx.fail(f"warmup_steps = {warmup!r}: expected an integer ≥ 0 or None")
     if kind is not None and kind != "1cycle":
         ctx.fail(f"lr_schedule = {kind!r}: the LambdaLabs fork knows only '1cycle' (without lr_schedule: "
@@ -355,18 +195,18 @@ def _schedule(value, ctx, key, present):
         if k == "anneal_strategy":
             if v not in ("cos", "linear"):
                 ctx.fail(f"anneal_strategy = {v!r}: expected 'cos' or 'linear'")
-        elif not _is_num(v) or v < 0 or (k == "cooldown_steps" and not _is_int(v)):
+        elif not is_num(v) or v < 0 or (k == "cooldown_steps" and not is_int(v)):
             ctx.fail(f"{k} = {v!r}: expected a{'n integer' if k == 'cooldown_steps' else ' number'} ≥ 0")
-        ctx.out.set(f"optim.{k}", float(v) if k in ("min_lr", "max_lr") else v, f"{k} = {_fmt(v)}")
+        ctx.out.set(f"optim.{k}", float(v) if k in ("min_lr", "max_lr") else v, f"{k} = {fmt(v)}")
         if kind != "1cycle" or warmup is None:
-            ctx.out.note(f"{k} {_fmt(v)}: read only with lr_schedule = '1cycle' and warmup_steps (unused here too)")
+            ctx.out.note(f"{k} {fmt(v)}: read only with lr_schedule = '1cycle' and warmup_steps (unused here too)")
 
 
 def _number(target):
     def handler(value, ctx, key, present):
         if value < 0:
             ctx.fail(f"{key} = {value}: must be ≥ 0")
-        ctx.out.set(target, float(value), f"{key} = {_fmt(value)}" if present else f"{key} absent: Open-Sora's {value}")
+        ctx.out.set(target, float(value), f"{key} = {fmt(value)}" if present else f"{key} absent: Open-Sora's {value}")
     return handler
 
 
@@ -604,7 +444,7 @@ def _group(table, name):
     def handler(value, ctx, key, present):
         if value is None:
             value = {}
-        _apply(table, value, ctx, prefix=f"{name}.")
+        apply_table(table, value, ctx, prefix=f"{name}.")
     return handler
 
 
@@ -615,7 +455,7 @@ def _optional_group(table, name, absent_note):
                 ctx.fail(f"{name} is not set (Open-Sora's train.py needs it to encode the videos and captions)")
             ctx.out.note(absent_note)
             return
-        _apply(table, value, ctx, prefix=f"{name}.")
+        apply_table(table, value, ctx, prefix=f"{name}.")
     return handler
 
 
@@ -716,7 +556,7 @@ def translate_train(path: str) -> Translation:
     ctx = Ctx(path, raw, out)
     out.set("train.experiment", os.path.splitext(os.path.basename(path))[0], "the file's name")
     block = raw.pop(JAXSORA_BLOCK, None)
-    _apply(TRAIN_KEYS, raw, ctx)
+    apply_table(TRAIN_KEYS, raw, ctx)
     c = out.config()
     if block is not None:
         _jaxsora_block(block, ctx, c)

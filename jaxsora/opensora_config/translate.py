@@ -9,7 +9,8 @@ import os
 import pprint
 import textwrap
 
-from jaxsora.opensora_config.train import Translation, translate_train
+from jaxsora.opensora_config.mapping import Translation
+from jaxsora.opensora_config.train import translate_train
 
 # The translated file's group order (configs/base.py's).
 _GROUP_ORDER = ("model", "vae", "text_encoder", "data", "scheduler", "mask_ratios", "optim", "mesh", "train", "lora",

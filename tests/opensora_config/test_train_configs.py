@@ -156,7 +156,7 @@ def test_base_chains_merge_as_mmengine(tmp_path):
         "outputs = 'out/{{ fileBasenameNoExtension }}'\n")
     c = translate_train(str(root / "mine.py")).config()
     assert (c.optim.lr, c.optim.warmup_steps, c.optim.ema_decay, c.optim.weight_decay) == (3e-4, 10, 0.95, 0.02)
-    assert (c.model.name, c.model.freeze_y_embedder, c.model.remat) == ("STDiT3-XL/2", False, "full")
+    assert (c.model.name, c.model.freeze_y_embedder, c.model.remat) == ("STDiT3-XL/2", False, "auto")
     assert (c.text_encoder.path, c.text_encoder.model_max_length) == ("/t5", 200)
     # a dict merges into the base's (mmengine: the other resolutions stay; _delete_ replaces a whole entry)
     buckets = plain(c.data.bucket_config)
