@@ -51,7 +51,7 @@ def get_config():
         compute_dtype="bfloat16",       # Open-Sora 1.2 trains in bf16; parameters stay fp32 (masters)
         remat="auto",                   # per bucket, the cheapest remat whose compiled step fits the device (none →
                                         # save_matmuls → save_qkv_proj → full on the first k pairs → full; Open-Sora
-                                        # 1.2 sets grad_checkpoint=True, i.e. "full"); or one of none | full |
+                                        # 1.2's grad_checkpoint=True is "full" everywhere); or one of none | full |
                                         # dots_saveable | dots_with_no_batch_dims | offload | save_matmuls |
                                         # save_qkv_proj (see STDiT3Config)
         remat_blocks=-1,                # block pairs rematerialized, from the first (-1: all)
