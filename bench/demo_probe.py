@@ -6,11 +6,13 @@ with the inputs changed one at a time (issue #22):
 Columns (mean squared error of the predicted velocity on frames 1..7, as training measures it):
   t2v        every frame noised, the clip's own caption (training without a frame mask)
   opposite   the same with the caption's direction word swapped (right <-> left, up <-> down)
+  shape      the same with the caption's shape word swapped for each of the two others, the mean of both
+             (issue #55: "a red circle ..." read as "a red square ..." and as "a red bar ...")
   null       the same with the null caption (what classifier-free guidance contrasts with)
   i2v        frame 0 given clean (x_mask, as the image_head frame mask trains it)
   i2v other  frame 0 given clean, but another clip's
-A model that reads its direction word has `opposite` well above `t2v`; one that uses a given first
-frame has `i2v` well below `t2v` and `i2v other` above it. Same noise and clips in every column.
+A model that reads its direction word has `opposite` well above `t2v` (its shape word: `shape`); one that
+uses a given first frame has `i2v` well below `t2v` and `i2v other` above it. Same noise and clips in every column.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 OPPOSITE = {"right": "left", "left": "right", "up": "down", "down": "up"}
+# each shape word to the next one and to the one after (circle -> square -> bar -> circle), the two swaps
+SHAPE_SWAPS = ({"circle": "square", "square": "bar", "bar": "circle"},
+               {"circle": "bar", "square": "circle", "bar": "square"})
 
 
 def main(argv=None) -> int:
@@ -55,9 +60,12 @@ def main(argv=None) -> int:
         y, m = pipe.text_encoder.encode(list(texts))
         return jnp.asarray(y), jnp.asarray(m)
 
-    swapped = [" ".join(OPPOSITE.get(w, w) for w in s.split()) for s in df.text]
+    def swap(words):
+        return [" ".join(words.get(w, w) for w in s.split()) for s in df.text]
+
     y, m = caption_states(df.text)
-    y_opp, m_opp = caption_states(swapped)
+    y_opp, m_opp = caption_states(swap(OPPOSITE))
+    shape_states = [caption_states(swap(s)) for s in SHAPE_SWAPS]
     y_null = jnp.broadcast_to(model.y_embedder.y_embedding[...][None, None, : y.shape[2]], y.shape)
     size = dict(fps=jnp.full((b,), 8.0), height=jnp.full((b,), float(video.shape[2])),
                 width=jnp.full((b,), float(video.shape[3])))
@@ -76,11 +84,12 @@ def main(argv=None) -> int:
         return float(jnp.mean(jnp.square(v - (clip - noise))[:, :, 1:]))  # target: rflow.training_loss_explicit
 
     print(f"{len(df)} clips; velocity error on frames 1..{t - 1}")
-    print(f"{'t':>5} {'t2v':>8} {'opposite':>9} {'null':>8} {'i2v':>8} {'i2v other':>10}")
+    print(f"{'t':>5} {'t2v':>8} {'opposite':>9} {'shape':>8} {'null':>8} {'i2v':>8} {'i2v other':>10}")
     for tv in (int(v) for v in args.t.split(",")):
-        row = (error(tv, x0, y, m), error(tv, x0, y_opp, m_opp), error(tv, x0, y_null, m),
+        row = (error(tv, x0, y, m), error(tv, x0, y_opp, m_opp),
+               float(np.mean([error(tv, x0, ys, ms) for ys, ms in shape_states])), error(tv, x0, y_null, m),
                error(tv, x0, y, m, first_given), error(tv, other, y, m, first_given))
-        print(f"{tv:>5} " + " ".join(f"{v:>{w}.4f}" for v, w in zip(row, (8, 9, 8, 8, 10))))
+        print(f"{tv:>5} " + " ".join(f"{v:>{w}.4f}" for v, w in zip(row, (8, 9, 8, 8, 8, 10))))
     return 0
 
 

@@ -8,8 +8,9 @@ held-out captions (prompts.txt) and `data_tools.judge`, as `make demo` chains th
 
 Meant for a machine with a GPU (one process per variant share it: on one H200, 8 variants side by side
 run about 0.14 s a step each, host-bound), but runs anywhere (the demo's 1,200 steps: 9 min on 2 CPU
-cores). Prints a table last: per variant the steps, the last logged training loss, the judged colour
-and motion (chance for motion: 1 in 4), and the wall time.
+cores). Prints a table last: per variant the steps, the last logged training loss, the judged colour,
+motion and shape (chance: 1 in 4 for motion, 1 in 3 for shape), the training's wall and CPU time (user +
+system: on a shared machine the steadier measure of its work) and the variant's wall time.
 Each variant's logs stay in OUT/<variant>/ (data/, run/, samples/, log.txt, samples.png).
 """
 from __future__ import annotations
@@ -62,22 +63,31 @@ VARIANTS = {
 }
 
 
-def _run(cmd: list[str], log, env, stop_at: float | None = None) -> None:
+def _run(cmd: list[str], log, env, stop_at: float | None = None) -> float:
     """Run `cmd`; at `stop_at` (time.time()) send it SIGTERM — the trainer then checkpoints the step
-    it is at and exits 75 (stopped), which counts as done."""
+    it is at and exits 75 (stopped), which counts as done. Returns the command's CPU seconds (user + system,
+    its own rusage: a measure of its work that other processes on a shared machine inflate less than its
+    wall time)."""
     log.write(f"\n$ {' '.join(cmd)}\n")
     log.flush()
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        rc = p.wait(timeout=None if stop_at is None else max(1.0, stop_at - time.time()))
-    except subprocess.TimeoutExpired:
-        log.write(f"\n[demo_sweep] deadline: SIGTERM to {cmd[2]}\n")
-        log.flush()
-        p.send_signal(signal.SIGTERM)
-        rc = p.wait()
-        rc = 0 if rc == 75 else rc  # jaxsora.errors.EXIT_STOPPED: checkpointed and stopped
+    stopped = False
+    while True:  # os.wait4 rather than p.wait(): it gives this child's own rusage
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            break
+        if stop_at is not None and not stopped and time.time() >= stop_at:
+            log.write(f"\n[demo_sweep] deadline: SIGTERM to {cmd[2]}\n")
+            log.flush()
+            p.send_signal(signal.SIGTERM)
+            stopped = True
+        time.sleep(0.5)
+    p.returncode = rc = os.waitstatus_to_exitcode(status)
+    if stopped and rc == 75:  # jaxsora.errors.EXIT_STOPPED: checkpointed and stopped
+        rc = 0
     if rc:
         raise RuntimeError(f"exit {rc}: {' '.join(cmd[:4])} …")
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str,
@@ -100,8 +110,8 @@ def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str
         try:
             _run([python, "-m", "data_tools.synthetic", "--output", f"{d}/data", "--preset", "demo",
                   "--no-progress", *data_flags], log, env)
-            _run([python, "-m", "jaxsora.train", "--config", cfg_path, "--data-path", f"{d}/data/meta.csv",
-                  "--run-dir", f"{d}/run"], log, env, stop_at)
+            train_cpu = _run([python, "-m", "jaxsora.train", "--config", cfg_path, "--data-path",
+                              f"{d}/data/meta.csv", "--run-dir", f"{d}/run"], log, env, stop_at)
             t_train = time.time() - t0
             _run([python, "-m", "jaxsora.sample", "--ckpt", f"{d}/run/checkpoints", "--ema", "--output",
                   f"{d}/samples", "--prompt-file", f"{d}/data/prompts.txt", "--num-sample", str(seeds),
@@ -112,7 +122,7 @@ def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str
             log.write(judged.stdout + judged.stderr)
         except Exception as e:  # noqa: BLE001 - a failed variant is a row of the table, not the end of the sweep
             return dict(name=name, steps=steps, error=str(e), wall_s=time.time() - t0)
-    m = re.search(r"colour (\d+)/(\d+), motion (\d+)/(\d+)", judged.stdout)
+    m = re.search(r"colour (\d+)/(\d+), motion (\d+)/(\d+), shape (\d+)/(\d+)", judged.stdout)
     loss = None
     metrics = os.path.join(d, "run", "metrics.jsonl")
     if os.path.exists(metrics):
@@ -122,7 +132,7 @@ def run_variant(name: str, out: str, steps_scale: float, seeds: int, python: str
         loss = logged[-1]["loss"] if logged else None
         steps = logged[-1].get("step", steps) if logged else steps
     return dict(name=name, steps=steps, loss=loss, colour=m and f"{m[1]}/{m[2]}", motion=m and f"{m[3]}/{m[4]}",
-                train_s=t_train, wall_s=time.time() - t0)
+                shape=m and f"{m[5]}/{m[6]}", train_s=t_train, train_cpu_s=train_cpu, wall_s=time.time() - t0)
 
 
 def main(argv=None) -> int:
@@ -152,14 +162,15 @@ def main(argv=None) -> int:
             rows.append(r)
             print(json.dumps(r), flush=True)
     rows.sort(key=lambda r: names.index(r["name"]))
-    print(f"\n{'variant':<18} {'steps':>6} {'loss':>7} {'colour':>7} {'motion':>7} {'train s':>8} {'wall s':>7}")
+    print(f"\n{'variant':<18} {'steps':>6} {'loss':>7} {'colour':>7} {'motion':>7} {'shape':>7} {'train s':>8} "
+          f"{'cpu s':>7} {'wall s':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:<18} {r['steps']:>6} failed: {r['error']} (see {args.out}/{r['name']}/log.txt)")
             continue
         loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
         print(f"{r['name']:<18} {r['steps']:>6} {loss:>7} {r['colour'] or '-':>7} {r['motion'] or '-':>7} "
-              f"{r['train_s']:>8.0f} {r['wall_s']:>7.0f}")
+              f"{r['shape'] or '-':>7} {r['train_s']:>8.0f} {r['train_cpu_s']:>7.0f} {r['wall_s']:>7.0f}")
     return 0
 
 
