@@ -13,6 +13,11 @@ Columns (mean squared error of the predicted velocity on frames 1..7, as trainin
   i2v other  frame 0 given clean, but another clip's
 A model that reads its direction word has `opposite` well above `t2v` (its shape word: `shape`); one that
 uses a given first frame has `i2v` well below `t2v` and `i2v other` above it. Same noise and clips in every column.
+
+A second table judges, per noise level, the model's one-step estimate of the clean clip (x0 = x_t + t/1000 · v,
+own caption, every frame noised) by its pixels, as data_tools.judge judges a sample: per shape the clips whose
+estimate shows their shape, and the estimate's box (elongation, fill; see data_tools.judge). Where that estimate
+is a round blob whatever the caption says, a sampler passing through that noise level gets no shape from it.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ def main(argv=None) -> int:
     import pandas as pd
     from flax import nnx
 
-    from data_tools.judge import read_video
+    from data_tools.judge import judge_frames, parse_caption, read_video
     from jaxsora.data.video import to_model_range
     from jaxsora.diffusion import rflow
     from jaxsora.infer.pipeline import Pipeline
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     first_given = jnp.ones((b, t), bool).at[:, 0].set(False)  # x_mask: False = the clean condition frame
     other = x0.at[:, :, 0].set(jnp.roll(x0, 1, axis=0)[:, :, 0])
 
-    def error(tv, clip, y_, m_, x_mask=None):
+    def error(tv, clip, y_, m_, x_mask=None, estimate=False):
         tt = jnp.full((b,), float(tv))
         xt = rflow.add_noise(clip, noise, tt)
         kw = dict(size, y=y_, mask=m_)
@@ -81,6 +86,8 @@ def main(argv=None) -> int:
             xt = jnp.where(x_mask[:, None, :, None, None], xt, clip)
             kw["x_mask"] = x_mask
         v = model(xt, tt, **kw)[:, :c]
+        if estimate:  # x_t = (1 − τ)·x0 + τ·ε and v ≈ x0 − ε, so x0 ≈ x_t + τ·v
+            return xt + tv / 1000 * v
         return float(jnp.mean(jnp.square(v - (clip - noise))[:, :, 1:]))  # target: rflow.training_loss_explicit
 
     print(f"{len(df)} clips; velocity error on frames 1..{t - 1}")
@@ -90,6 +97,22 @@ def main(argv=None) -> int:
                float(np.mean([error(tv, x0, ys, ms) for ys, ms in shape_states])), error(tv, x0, y_null, m),
                error(tv, x0, y, m, first_given), error(tv, other, y, m, first_given))
         print(f"{tv:>5} " + " ".join(f"{v:>{w}.4f}" for v, w in zip(row, (8, 9, 8, 8, 8, 10))))
+
+    asked = np.asarray([parse_caption(text)["shape"] for text in df.text])
+    shapes = [s for s in ("circle", "square", "bar") if (asked == s).any()]
+    print("\none-step estimate of the clean clip, judged: per shape, clips showing it / clips, mean box "
+          "(elongation:1, fill)")
+    print(f"{'t':>5} " + " ".join(f"{s:>22}" for s in shapes))
+    for tv in (int(v) for v in args.t.split(",")):
+        est = np.asarray(pipe.vae.decode(error(tv, x0, y, m, estimate=True), t))  # [B, 3, T, H, W] in [-1, 1]
+        frames = np.clip(np.round((np.transpose(est, (0, 2, 3, 4, 1)) + 1) * 127.5), 0, 255)
+        verdicts = np.asarray([judge_frames(f) for f in frames], object)
+        cells = []
+        for s in shapes:
+            vs = verdicts[asked == s]
+            box = np.mean([v.box for v in vs], axis=0)
+            cells.append(f"{sum(v.shape == s for v in vs)}/{len(vs)} ({box[0]:.2f}:1, {box[1]:.2f})")
+        print(f"{tv:>5} " + " ".join(f"{cell:>22}" for cell in cells))
     return 0
 
 

@@ -274,3 +274,21 @@ def test_a_trail_shows_the_direction_in_every_frame():
             behind = (by - ys.mean()) * dy + (bx - xs.mean()) * dx  # < 0: behind the shape
             near = (np.abs(by - ys.mean()) < 12) & (np.abs(bx - xs.mean()) < 12)
             assert (behind[near] < 0).all()
+
+
+def test_jitter_bounds_where_a_centre_start_begins(tmp_path):
+    """--jitter J: a centre start lies within J of the frame's side from its middle (±1 px at 0.03 and 32 px), and
+    the clip still travels its caption's way; a jitter outside [0, 0.5] is one line, exit 2."""
+    rng = np.random.default_rng(4)
+    for d in synthetic.DIRECTIONS:
+        for _ in range(10):
+            clip = synthetic.render("square", synthetic.COLORS["white"], synthetic.DIRECTIONS[d], 9, 32, 32, rng,
+                                    jitter=0.03)
+            first, _ = _first_and_mean_place(clip)
+            assert np.abs(first).max() <= 0.03 * 32 + 1.0, (d, first)
+            assert judge.judge_frames(clip).direction == d
+    r = subprocess.run([PYTHON, "-m", "data_tools.synthetic", "--output", str(tmp_path / "d"), "--jitter", "0.7"],
+                       cwd=REPO, capture_output=True, text=True)
+    expected = ["data_tools.synthetic: --jitter must be in [0, 0.5], got 0.7"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == expected, r.stderr
+    assert not (tmp_path / "d").exists()
