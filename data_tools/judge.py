@@ -47,16 +47,16 @@ MIN_FOREGROUND_PIXELS = 6
 # the shape is judged not to move. The set's clips travel 0.5 of the frame or more over 12 frames
 # (~0.3 over an 8-frame crop); 0.05 is 1.6 px at 32 px.
 MIN_TRAVEL = 0.05
-# Shape, from the bounding box of the foreground's largest piece. data_tools.synthetic draws, at radius r
-# (r = 6 px at 32 px): a disc x² + y² ≤ r², a square of side 2r + 1, a bar 2r + 1 long and 2·(r // 2) + 1
-# wide across the motion. Measured on the demo set's every 8-frame crop (tests/data_tools/test_judge.py),
-# as drawn and after the IdentityVAE's 2× average pooling and nearest upsampling:
-# - elongation, the box's long side over its short: bars 2.0 as drawn, 1.50-2.33 pooled; discs and squares
-#   1.00-1.05 as drawn, at most 1.17 pooled.
+# Shape, from the bounding box of the foreground's largest piece. data_tools.synthetic draws, at radius r:
+# a disc x² + y² ≤ r², a square of side 2r + 1, a bar 2r + 1 long and 2·(r // 2) + 1 wide across the motion.
+# Measured on every 8-frame crop of the demo set at r = 6 px (radius 0.2 at 32 px) and r = 10 px (0.3, the demo
+# preset's since issue #55), as drawn and after the IdentityVAE's 2× average pooling and nearest upsampling:
+# - elongation, the box's long side over its short: bars 2.0 as drawn, pooled 1.50-2.33 at r = 6 and 1.67-2.20
+#   at r = 10; discs and squares at most 1.05 as drawn, 1.17 pooled.
 BAR_ELONGATION = 1.35
 # - fill, the piece's pixels over its box's area: squares 1.0 as drawn, ≥ 0.96 pooled; discs leave the
-#   corners empty, 0.76-0.82 as drawn (π/4 ≈ 0.785 for a large one) but up to 0.89 pooled, where a disc of
-#   6.5 latent pixels across is a square with its corner pixels cut.
+#   corners empty, 0.76-0.82 as drawn (π/4 ≈ 0.785 for a large one) but pooled up to 0.89 at r = 6 (0.85 at
+#   r = 10), where a disc 6.5 latent pixels across is a square with its corner pixels cut.
 SQUARE_FILL = 0.92
 
 _CAPTION = re.compile(r"\ba (?P<colour>\w+) (?P<shape>\w+)(?: moving (?P<direction>\w+))?")

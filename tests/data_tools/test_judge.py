@@ -201,7 +201,8 @@ def test_every_clip_starts_at_the_centre_whichever_way_it_goes(dataset):
     """The demo set's shapes start near the centre: a first frame says nothing of the direction (only the
     caption does), while where the shape is over the clip lies on the side its direction names."""
     out, df = dataset
-    side = synthetic.START_JITTER * 32 + 1.0  # the start's jitter, plus a pixel for the centroid of a drawn shape
+    # the start's jitter, plus a pixel for the centroid of a drawn shape
+    side = synthetic.PRESETS["demo"].get("jitter", synthetic.START_JITTER) * 32 + 1.0
     firsts = {d: [] for d in synthetic.DIRECTIONS}
     for row in df[df.num_frames > 1].itertuples():
         d = judge.parse_caption(row.text)["direction"]
