@@ -52,7 +52,7 @@ demo: install
 		--prompt-path $(DEMO)/data/prompts.txt --num-sample $(DEMO_SEEDS) --no-progress
 	$(VPY) -m jaxsora.convert to-torch $(DEMO)/checkpoints $(DEMO)/stdit3_demo_ema.safetensors --ema
 	@echo
-	@# judged by their pixels: the shape's colour, and which way it moves
+	@# judged by their pixels: the shape's colour, which way it moves, and which shape it is
 	$(VPY) -m data_tools.judge $(DEMO)/samples --png $(DEMO)/samples.png --quiet
 	@echo
 	@echo "demo done:"

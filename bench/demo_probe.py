@@ -6,11 +6,18 @@ with the inputs changed one at a time (docs/demo.md):
 Columns (mean squared error of the predicted velocity on frames 1..7, as training measures it):
   t2v        every frame noised, the clip's own caption (training without a frame mask)
   opposite   the same with the caption's direction word swapped (right <-> left, up <-> down)
+  shape      the same with the caption's shape word swapped for each of the two others, the mean of both
+             ("a red circle ..." read as "a red square ..." and as "a red bar ...")
   null       the same with the null caption (what classifier-free guidance contrasts with)
   i2v        frame 0 given clean (x_mask, as the image_head frame mask trains it)
   i2v other  frame 0 given clean, but another clip's
-A model that reads its direction word has `opposite` well above `t2v`; one that uses a given first
-frame has `i2v` well below `t2v` and `i2v other` above it. Same noise and clips in every column.
+A model that reads its direction word has `opposite` well above `t2v` (its shape word: `shape`); one that
+uses a given first frame has `i2v` well below `t2v` and `i2v other` above it. Same noise and clips in every column.
+
+A second table judges, per noise level, the model's one-step estimate of the clean clip (x0 = x_t + t/1000 · v,
+own caption, every frame noised) by its pixels, as data_tools.judge judges a sample: per shape the clips whose
+estimate shows their shape, and the estimate's box (elongation, fill; see data_tools.judge). Where that estimate
+is a round blob whatever the caption says, a sampler passing through that noise level gets no shape from it.
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 OPPOSITE = {"right": "left", "left": "right", "up": "down", "down": "up"}
+# each shape word to the next one and to the one after (circle -> square -> bar -> circle), the two swaps
+SHAPE_SWAPS = ({"circle": "square", "square": "bar", "bar": "circle"},
+               {"circle": "bar", "square": "circle", "bar": "square"})
 
 
 def main(argv=None) -> int:
@@ -38,7 +48,7 @@ def main(argv=None) -> int:
     import pandas as pd
     from flax import nnx
 
-    from data_tools.judge import read_video
+    from data_tools.judge import judge_frames, parse_caption, read_video
     from jaxsora.data.video import to_model_range
     from jaxsora.diffusion import rflow
     from jaxsora.infer.pipeline import Pipeline
@@ -55,9 +65,12 @@ def main(argv=None) -> int:
         y, m = pipe.text_encoder.encode(list(texts))
         return jnp.asarray(y), jnp.asarray(m)
 
-    swapped = [" ".join(OPPOSITE.get(w, w) for w in s.split()) for s in df.text]
+    def swap(words):
+        return [" ".join(words.get(w, w) for w in s.split()) for s in df.text]
+
     y, m = caption_states(df.text)
-    y_opp, m_opp = caption_states(swapped)
+    y_opp, m_opp = caption_states(swap(OPPOSITE))
+    shape_states = [caption_states(swap(s)) for s in SHAPE_SWAPS]
     y_null = jnp.broadcast_to(model.y_embedder.y_embedding[...][None, None, : y.shape[2]], y.shape)
     size = dict(fps=jnp.full((b,), 8.0), height=jnp.full((b,), float(video.shape[2])),
                 width=jnp.full((b,), float(video.shape[3])))
@@ -65,7 +78,7 @@ def main(argv=None) -> int:
     first_given = jnp.ones((b, t), bool).at[:, 0].set(False)  # x_mask: False = the clean condition frame
     other = x0.at[:, :, 0].set(jnp.roll(x0, 1, axis=0)[:, :, 0])
 
-    def error(tv, clip, y_, m_, x_mask=None):
+    def error(tv, clip, y_, m_, x_mask=None, estimate=False):
         tt = jnp.full((b,), float(tv))
         xt = rflow.add_noise(clip, noise, tt)
         kw = dict(size, y=y_, mask=m_)
@@ -73,14 +86,33 @@ def main(argv=None) -> int:
             xt = jnp.where(x_mask[:, None, :, None, None], xt, clip)
             kw["x_mask"] = x_mask
         v = model(xt, tt, **kw)[:, :c]
+        if estimate:  # x_t = (1 − τ)·x0 + τ·ε and v ≈ x0 − ε, so x0 ≈ x_t + τ·v
+            return xt + tv / 1000 * v
         return float(jnp.mean(jnp.square(v - (clip - noise))[:, :, 1:]))  # target: rflow.training_loss_explicit
 
     print(f"{len(df)} clips; velocity error on frames 1..{t - 1}")
-    print(f"{'t':>5} {'t2v':>8} {'opposite':>9} {'null':>8} {'i2v':>8} {'i2v other':>10}")
+    print(f"{'t':>5} {'t2v':>8} {'opposite':>9} {'shape':>8} {'null':>8} {'i2v':>8} {'i2v other':>10}")
     for tv in (int(v) for v in args.t.split(",")):
-        row = (error(tv, x0, y, m), error(tv, x0, y_opp, m_opp), error(tv, x0, y_null, m),
+        row = (error(tv, x0, y, m), error(tv, x0, y_opp, m_opp),
+               float(np.mean([error(tv, x0, ys, ms) for ys, ms in shape_states])), error(tv, x0, y_null, m),
                error(tv, x0, y, m, first_given), error(tv, other, y, m, first_given))
-        print(f"{tv:>5} " + " ".join(f"{v:>{w}.4f}" for v, w in zip(row, (8, 9, 8, 8, 10))))
+        print(f"{tv:>5} " + " ".join(f"{v:>{w}.4f}" for v, w in zip(row, (8, 9, 8, 8, 8, 10))))
+
+    asked = np.asarray([parse_caption(text)["shape"] for text in df.text])
+    shapes = [s for s in ("circle", "square", "bar") if (asked == s).any()]
+    print("\none-step estimate of the clean clip, judged: per shape, clips showing it / clips, mean box "
+          "(elongation:1, fill)")
+    print(f"{'t':>5} " + " ".join(f"{s:>22}" for s in shapes))
+    for tv in (int(v) for v in args.t.split(",")):
+        est = np.asarray(pipe.vae.decode(error(tv, x0, y, m, estimate=True), t))  # [B, 3, T, H, W] in [-1, 1]
+        frames = np.clip(np.round((np.transpose(est, (0, 2, 3, 4, 1)) + 1) * 127.5), 0, 255)
+        verdicts = np.asarray([judge_frames(f) for f in frames], object)
+        cells = []
+        for s in shapes:
+            vs = verdicts[asked == s]
+            box = np.mean([v.box for v in vs], axis=0)
+            cells.append(f"{sum(v.shape == s for v in vs)}/{len(vs)} ({box[0]:.2f}:1, {box[1]:.2f})")
+        print(f"{tv:>5} " + " ".join(f"{cell:>22}" for cell in cells))
     return 0
 
 

@@ -23,6 +23,10 @@ The set is what makes the direction learnable in that budget (data_tools/synthet
 clip's shape starts near the centre, so its first frame says nothing of where it goes, while where it is
 over the clip follows the direction word. On the wrapping set (shapes start anywhere) the same model never
 took the direction from the word (motion at chance after 2,000-3,000 steps; docs/demo.md).
+The shapes are of radius 0.3 and start within ±1 px of the centre (before: radius 0.2 within ±3.2 px): the
+demo trains mostly at high noise, where the best guess of a clip is its shape averaged over where it may be,
+and that spread had rounded every shape off (shape 15/48, all blobs); now bars come out as bars (27/48), while
+squares still come out round (bench/demo_probe.py judges the model's one-step estimates by shape).
 """
 from configs import base
 

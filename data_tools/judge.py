@@ -16,7 +16,7 @@ gets its caption's colour and direction.
 
 DIR holds `sample_NNNN.mp4` + `sample_NNNN.json` (what `jaxsora.sample` writes; the sidecar's
 `prompt` is the caption judged against). It prints one line per sample and the summary
-"samples follow their prompts: colour k/n, motion m/n", and with `--png FILE` draws every sample's
+"samples follow their prompts: colour k/n, motion m/n, shape s/n", and with `--png FILE` draws every sample's
 frames in a row beside its prompt and verdict.
 """
 from __future__ import annotations
@@ -47,6 +47,17 @@ MIN_FOREGROUND_PIXELS = 6
 # the shape is judged not to move. The set's clips travel 0.5 of the frame or more over 12 frames
 # (~0.3 over an 8-frame crop); 0.05 is 1.6 px at 32 px.
 MIN_TRAVEL = 0.05
+# Shape, from the bounding box of the foreground's largest piece. data_tools.synthetic draws, at radius r:
+# a disc x² + y² ≤ r², a square of side 2r + 1, a bar 2r + 1 long and 2·(r // 2) + 1 wide across the motion.
+# Measured on every 8-frame crop of the demo set at r = 6 px (radius 0.2 at 32 px) and r = 10 px (0.3, the demo
+# preset's now), as drawn and after the IdentityVAE's 2× average pooling and nearest upsampling:
+# - elongation, the box's long side over its short: bars 2.0 as drawn, pooled 1.50-2.33 at r = 6 and 1.67-2.20
+#   at r = 10; discs and squares at most 1.05 as drawn, 1.17 pooled.
+BAR_ELONGATION = 1.35
+# - fill, the piece's pixels over its box's area: squares 1.0 as drawn, ≥ 0.96 pooled; discs leave the
+#   corners empty, 0.76-0.82 as drawn (π/4 ≈ 0.785 for a large one) but pooled up to 0.89 at r = 6 (0.85 at
+#   r = 10), where a disc 6.5 latent pixels across is a square with its corner pixels cut.
+SQUARE_FILL = 0.92
 
 _CAPTION = re.compile(r"\ba (?P<colour>\w+) (?P<shape>\w+)(?: moving (?P<direction>\w+))?")
 
@@ -56,6 +67,8 @@ class Verdict:
     colour: str | None  # nearest palette colour of the foreground (None: no foreground)
     direction: str  # "right" | "left" | "down" | "up" | "none"
     travel: tuple  # (dy, dx) of the fitted centroid line, first to last frame, in pixels
+    shape: str | None = None  # "circle" | "square" | "bar" (None: no frame with enough foreground)
+    box: tuple = (0.0, 0.0)  # (elongation, fill) of the foreground's largest piece, medians over the frames
 
 
 def parse_caption(text: str) -> dict:
@@ -81,8 +94,31 @@ def _circular_centroid(fg: np.ndarray, axis: int) -> np.ndarray:
     return np.unwrap(np.arctan2(s, c)) * size / (2 * np.pi)
 
 
+def _box(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float]:
+    """fg [H, W] bool (a frame's foreground, not empty), (cy, cx) its circular centroid → (elongation, fill)
+    of its largest 4-connected piece's bounding box. The frame is first rolled so that the centroid sits at
+    its middle: a shape that the wrapping frame splits across a border is whole again."""
+    from scipy import ndimage
+
+    h, w = fg.shape
+    fg = np.roll(fg, (int(round(h / 2 - cy % h)), int(round(w / 2 - cx % w))), axis=(0, 1))
+    labels, n = ndimage.label(fg)
+    if n > 1:
+        fg = labels == 1 + int(np.argmax(np.bincount(labels.ravel())[1:]))
+    rows, cols = np.nonzero(fg.any(axis=1))[0], np.nonzero(fg.any(axis=0))[0]
+    bh, bw = rows[-1] - rows[0] + 1, cols[-1] - cols[0] + 1
+    return max(bh, bw) / min(bh, bw), float(fg.sum()) / (bh * bw)
+
+
+def shape_of(elongation: float, fill: float) -> str:
+    """The set's shape a foreground box of this elongation and fill shows (see BAR_ELONGATION, SQUARE_FILL)."""
+    if elongation >= BAR_ELONGATION:
+        return "bar"
+    return "square" if fill >= SQUARE_FILL else "circle"
+
+
 def judge_frames(frames: np.ndarray) -> Verdict:
-    """frames: [T, H, W, 3] uint8 (or float in 0..255) → the colour and motion they show."""
+    """frames: [T, H, W, 3] uint8 (or float in 0..255) → the colour, motion and shape they show."""
     f = np.asarray(frames, np.float32)
     if f.ndim != 4 or f.shape[-1] != 3:
         raise ValueError(f"expected frames [T, H, W, 3], got {f.shape}")
@@ -100,18 +136,22 @@ def judge_frames(frames: np.ndarray) -> Verdict:
 
     counts = fg.sum(axis=(1, 2))
     ok = counts >= MIN_FOREGROUND_PIXELS
+    shape, box = None, (0.0, 0.0)
+    if ok.any():
+        cy, cx = _circular_centroid(fg[ok], axis=1), _circular_centroid(fg[ok], axis=2)
+        elongation, fill = np.median(np.asarray([_box(*a) for a in zip(fg[ok], cy, cx)]), axis=0)
+        shape, box = shape_of(elongation, fill), (float(elongation), float(fill))
     if t < 2 or ok.sum() < 2:
-        return Verdict(colour, "none", (0.0, 0.0))
-    cy, cx = _circular_centroid(fg[ok], axis=1), _circular_centroid(fg[ok], axis=2)
+        return Verdict(colour, "none", (0.0, 0.0), shape, box)
     frames_idx = np.arange(t, dtype=np.float32)[ok]
     span = float(t - 1)
     dy = float(np.polyfit(frames_idx, cy, 1)[0]) * span
     dx = float(np.polyfit(frames_idx, cx, 1)[0]) * span
     if max(abs(dy) / h, abs(dx) / w) < MIN_TRAVEL:
-        return Verdict(colour, "none", (dy, dx))
+        return Verdict(colour, "none", (dy, dx), shape, box)
     horizontal = abs(dx) / w >= abs(dy) / h
     direction = ("right" if dx > 0 else "left") if horizontal else ("down" if dy > 0 else "up")
-    return Verdict(colour, direction, (dy, dx))
+    return Verdict(colour, direction, (dy, dx), shape, box)
 
 
 def read_video(path: str) -> np.ndarray:
@@ -146,6 +186,10 @@ class Judged:
     def motion_ok(self) -> bool:
         return self.asked["direction"] is not None and self.verdict.direction == self.asked["direction"]
 
+    @property
+    def shape_ok(self) -> bool:
+        return self.asked["shape"] is not None and self.verdict.shape == self.asked["shape"]
+
 
 def judge_folder(folder: str) -> list[Judged]:
     """Every `sample_*.{mp4,png}` in `folder` (not its subfolders) with its sidecar's prompt."""
@@ -165,12 +209,14 @@ def judge_folder(folder: str) -> list[Judged]:
 
 
 def summary(judged: list[Judged]) -> str:
-    """"samples follow their prompts: colour k/n, motion m/n" (motion over prompts naming one)."""
+    """"samples follow their prompts: colour k/n, motion m/n, shape s/n" (motion over prompts naming one)."""
     n_col = sum(j.asked["colour"] is not None for j in judged)
     n_mot = sum(j.asked["direction"] is not None for j in judged)
+    n_shp = sum(j.asked["shape"] is not None for j in judged)
     k = sum(j.colour_ok for j in judged)
     m = sum(j.motion_ok for j in judged)
-    return f"samples follow their prompts: colour {k}/{n_col}, motion {m}/{n_mot}"
+    s = sum(j.shape_ok for j in judged)
+    return f"samples follow their prompts: colour {k}/{n_col}, motion {m}/{n_mot}, shape {s}/{n_shp}"
 
 
 def draw_grid(judged: list[Judged], path: str, scale: int = 3) -> str:
@@ -181,17 +227,20 @@ def draw_grid(judged: list[Judged], path: str, scale: int = 3) -> str:
         raise BadInput("no samples to draw")
     max_t = max(j.frames.shape[0] for j in judged)
     fh, fw = max(j.frames.shape[1] for j in judged) * scale, max(j.frames.shape[2] for j in judged) * scale
-    text_w, gap = 330, 4
-    row_h = max(fh, 34) + gap
+    text_w, gap, line = 330, 4, 14
+    row_h = max(fh, 4 * line) + gap
     img = Image.new("RGB", (text_w + max_t * (fw + gap), len(judged) * row_h + gap), (255, 255, 255))
     draw = ImageDraw.Draw(img)
+    ok_ink, no_ink = (0, 110, 0), (180, 0, 0)
     for r, j in enumerate(judged):
         y = gap + r * row_h
-        marks = f"colour {'ok' if j.colour_ok else 'NO'} ({j.verdict.colour}), " \
-                f"motion {'ok' if j.motion_ok else 'NO'} ({j.verdict.direction})"
-        prompt = j.prompt.replace(" on a dark background", "")
-        draw.text((4, y + 2), prompt, fill=(0, 0, 0))
-        draw.text((4, y + 16), marks, fill=(0, 110, 0) if j.colour_ok and j.motion_ok else (180, 0, 0))
+        draw.text((4, y + 2), j.prompt.replace(" on a dark background", ""), fill=(0, 0, 0))
+        # one line per word judged, green where the sample shows what its prompt asks
+        for k, (word, ok, shows) in enumerate((("colour", j.colour_ok, j.verdict.colour),
+                                               ("shape", j.shape_ok, j.verdict.shape),
+                                               ("motion", j.motion_ok, j.verdict.direction))):
+            draw.text((4, y + 2 + (k + 1) * line), f"{word} {'ok' if ok else 'NO'} ({shows})",
+                      fill=ok_ink if ok else no_ink)
         for i, frame in enumerate(j.frames):
             tile = Image.fromarray(np.asarray(frame, np.uint8)).resize(
                 (frame.shape[1] * scale, frame.shape[0] * scale), Image.NEAREST)
@@ -221,8 +270,10 @@ def _main(args) -> int:
     if not args.quiet:
         for j in judged:
             dy, dx = j.verdict.travel
-            print(f"{os.path.relpath(j.path, args.input)}: asked {j.asked['colour']} {j.asked['direction']}, "
-                  f"shows {j.verdict.colour} {j.verdict.direction} (travel dy {dy:+.1f} dx {dx:+.1f} px)")
+            e, f = j.verdict.box
+            print(f"{os.path.relpath(j.path, args.input)}: asked {j.asked['colour']} {j.asked['shape']} "
+                  f"{j.asked['direction']}, shows {j.verdict.colour} {j.verdict.shape} {j.verdict.direction} "
+                  f"(travel dy {dy:+.1f} dx {dx:+.1f} px; box {e:.2f}:1, fill {f:.2f})")
     if args.png:
         print(f"frames → {draw_grid(judged, args.png)}")
     print(summary(judged))

@@ -67,7 +67,11 @@ START_JITTER = 0.1
 
 PRESETS = {
     # 9-frame clips: the demo's 8-frame bucket takes clips of more than 8 frames (the reference's rule).
-    "demo": dict(num_videos=240, num_images=16, sizes=[(32, 32)], frames=[9], fps=8, seed=0),
+    # Shapes of radius 0.3 (10 px) crossing all their room (12 px) from within ±1 px of the centre (docs/demo.md:
+    # at radius 0.2 and ±3.2 px the demo model drew a round blob for every shape word, shape 15/48 on the held-out
+    # captions; with these, bars come out as bars, 27/48 — squares still do not, see bench/demo_probe.py).
+    "demo": dict(num_videos=240, num_images=16, sizes=[(32, 32)], frames=[9], fps=8, seed=0, radius=0.3,
+                 travel=1.0, jitter=0.03),
     # Stage-config sizes (240p / 144p landscape and portrait, clips long enough for the 51/102 buckets),
     # e.g. for `python -m jaxsora.train --config configs/stage1.py --data-path ... --dry-run`.
     "stage": dict(num_videos=16, num_images=8, sizes=[(240, 426), (144, 256), (426, 240), (256, 256)],
@@ -81,16 +85,17 @@ def caption(color: str, shape: str, direction: str | None = None) -> str:
     return f"a {color} {shape}{motion} on a dark background"
 
 
-def _path(lo: float, hi: float, travel: float, step: int, t: int, rng: np.random.Generator, start: str) -> np.ndarray:
+def _path(lo: float, hi: float, travel: float, step: int, t: int, rng: np.random.Generator, start: str,
+          jitter: float = START_JITTER) -> np.ndarray:
     """Centre positions [T] along one axis, where the shape's centre has the room [lo, hi] (the frame's
     size is lo + hi): `step` = +1/−1 moves `travel` of that room over the clip at constant speed, 0 stays.
-    `start` (see START) says where it begins; "centre" and "anywhere" paths are unwrapped (drawn modulo the
-    frame's size)."""
+    `start` (see START) says where it begins, `jitter` how far from the centre a "centre" path may (a fraction
+    of the frame's size); "centre" and "anywhere" paths are unwrapped (drawn modulo the frame's size)."""
     size = lo + hi
     span = (hi - lo) * travel
     along = span * np.linspace(0.0, 1.0, t)
     if start == "centre":
-        return size / 2 + rng.uniform(-1.0, 1.0) * START_JITTER * size + step * along
+        return size / 2 + rng.uniform(-1.0, 1.0) * jitter * size + step * along
     if not step:
         return np.full(t, rng.uniform(lo, hi))
     if start == "anywhere":
@@ -106,7 +111,8 @@ def _offset(grid: np.ndarray, centre: float, size: int | None) -> np.ndarray:
 
 
 def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.Generator, *,
-           radius: float = RADIUS, travel: float = TRAVEL, start: str = START, trail: int = 0) -> np.ndarray:
+           radius: float = RADIUS, travel: float = TRAVEL, start: str = START, trail: int = 0,
+           jitter: float = START_JITTER) -> np.ndarray:
     """[T, H, W, 3] uint8: the shape (radius: a fraction of the frame's short side) moving along
     `direction` at constant speed, `travel` of the room it has (frame size less its own) over the clip.
 
@@ -120,8 +126,8 @@ def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.
     dy, dx = direction
     if start not in STARTS:
         raise ValueError(f"start must be one of {STARTS}, got {start!r}")
-    ys = _path(r, h - r, travel, dy, t, rng, start)
-    xs = _path(r, w - r, travel, dx, t, rng, start)
+    ys = _path(r, h - r, travel, dy, t, rng, start, jitter)
+    xs = _path(r, w - r, travel, dx, t, rng, start, jitter)
     wrap = start != "inside"
     yy, xx = np.mgrid[0:h, 0:w]
     bg = np.array(BACKGROUND, np.float32)
@@ -148,7 +154,7 @@ def render(shape: str, color, direction, t: int, h: int, w: int, rng: np.random.
 
 def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: int, seed: int,
              radius: float = RADIUS, travel: float = TRAVEL, start: str = START, trail: int = 0,
-             progress: bool = True) -> pd.DataFrame:
+             jitter: float = START_JITTER, progress: bool = True) -> pd.DataFrame:
     os.makedirs(os.path.join(out, "videos"), exist_ok=True)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -178,13 +184,13 @@ def generate(out: str, *, num_videos: int, num_images: int, sizes, frames, fps: 
             color, shape, direction = combos[rng.integers(len(combos))]
             t = int(frames[rng.integers(len(frames))])
             clip = distinct(shape, COLORS[color], DIRECTIONS[direction], t, h, w, rng, radius=radius, travel=travel,
-                            start=start, trail=trail)
+                            start=start, trail=trail, jitter=jitter)
             rel = f"videos/{i:05d}.mp4"
             write_mp4(clip, os.path.join(out, rel), fps, crf=12)
             text, n, f = caption(color, shape, direction), t, float(fps)
         else:
             color, shape = list(COLORS)[rng.integers(len(COLORS))], SHAPES[rng.integers(len(SHAPES))]
-            clip = distinct(shape, COLORS[color], (0, 0), 1, h, w, rng, radius=radius, start=start)
+            clip = distinct(shape, COLORS[color], (0, 0), 1, h, w, rng, radius=radius, start=start, jitter=jitter)
             rel = f"images/{i:05d}.png"
             Image.fromarray(clip[0]).save(os.path.join(out, rel))
             text, n, f = caption(color, shape), 1, float("nan")
@@ -235,6 +241,9 @@ def main(argv=None) -> int:
                                                  f"preset's, else {TRAVEL})")
     ap.add_argument("--start", choices=STARTS, help=f"where a clip's shape starts: near the centre, anywhere on a "
                                                     f"wrapping frame, or inside the frame (default: {START})")
+    ap.add_argument("--jitter", type=float, help=f"with --start centre: how far from the centre a shape may start, "
+                                                 f"a fraction of the frame's side (default: the preset's, else "
+                                                 f"{START_JITTER})")
     ap.add_argument("--trail", type=int, help="fading copies of the shape behind it, one frame's travel apart "
                                               "(default: the preset's, else 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -245,7 +254,8 @@ def main(argv=None) -> int:
 
 def _main(args) -> int:
     kw = dict(PRESETS[args.preset])
-    for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed", "radius", "travel", "start", "trail"):
+    for k in ("num_videos", "num_images", "sizes", "frames", "fps", "seed", "radius", "travel", "start", "trail",
+              "jitter"):
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
     for k in ("num_videos", "num_images", "trail"):
@@ -256,6 +266,8 @@ def _main(args) -> int:
     for k in ("radius", "travel"):
         if k in kw and not 0 < kw[k] <= (0.5 if k == "radius" else 1.0):
             raise BadInput(f"--{k} must be in (0, {0.5 if k == 'radius' else 1.0}], got {kw[k]}")
+    if not 0 <= kw.get("jitter", START_JITTER) <= 0.5:
+        raise BadInput(f"--jitter must be in [0, 0.5], got {kw['jitter']}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise OutputExists(f"--output {args.out} is a file; name a folder")
     df = generate(args.out, progress=not args.no_progress, **kw)

@@ -1,4 +1,4 @@
-"""data_tools.judge reads colour and motion off the pixels; data_tools.synthetic holds combinations out.
+"""data_tools.judge reads colour, motion and shape off the pixels; data_tools.synthetic holds combinations out.
 
 The judge is only worth its verdicts if it gets the set's own clips right: every 8-frame crop of every
 clip (what the demo trains on), through the mp4 codec. And it must say "no" to what is not there: a
@@ -25,24 +25,70 @@ def dataset(tmp_path_factory):
     return out, df
 
 
+def _pooled(frames: np.ndarray) -> np.ndarray:
+    """[N, T, H, W, 3] uint8 → the same through the demo's IdentityVAE (configs/demo.py's 2× pooling): encoded,
+    decoded, back to uint8 — all of a frame a demo sample can show."""
+    from jaxsora.data.video import to_model_range
+    from jaxsora.models.vae import IdentityVAE
+
+    vae = IdentityVAE(downsample=(1, 2, 2))
+    x = np.transpose(to_model_range(frames), (0, 4, 1, 2, 3))  # [N, 3, T, H, W] in [-1, 1]
+    y = np.asarray(vae.decode(vae.encode(x), frames.shape[1]))
+    return np.round((np.transpose(y, (0, 2, 3, 4, 1)) + 1) * 127.5).clip(0, 255).astype(np.uint8)
+
+
 def test_judge_reads_every_crop_of_the_training_clips(dataset):
+    """Colour, direction and shape of every 8-frame crop of every clip, as drawn (through the codec) and after the
+    demo's 2× pooling."""
     out, df = dataset
-    n = ok = 0
-    for row in df[df.num_frames > 1].itertuples():
-        frames = judge.read_video(str(out / row.path))
-        asked = judge.parse_caption(row.text)
-        for start in range(len(frames) - 8 + 1):
-            v = judge.judge_frames(frames[start:start + 8])
-            n += 1
-            ok += v.colour == asked["colour"] and v.direction == asked["direction"]
-    assert n == 240 * 2 and ok == n
+    videos = df[df.num_frames > 1]
+    clips = np.stack([judge.read_video(str(out / p)) for p in videos.path])  # [240, 9, 32, 32, 3]
+    for name, frames in (("drawn", clips), ("pooled", _pooled(clips))):
+        n, wrong = 0, []
+        for clip, text in zip(frames, videos.text):
+            asked = judge.parse_caption(text)
+            for start in range(len(clip) - 8 + 1):
+                v = judge.judge_frames(clip[start:start + 8])
+                n += 1
+                if (v.colour, v.direction, v.shape) != (asked["colour"], asked["direction"], asked["shape"]):
+                    wrong.append((text, start, v))
+        assert n == 240 * 2 and not wrong, (name, wrong[:3])
 
 
-def test_images_show_their_colour_and_no_motion(dataset):
+def test_images_show_their_colour_and_shape_and_no_motion(dataset):
     out, df = dataset
     for row in df[df.num_frames == 1].itertuples():
-        v = judge.judge_frames(judge.read_video(str(out / row.path)))
-        assert (v.colour, v.direction) == (judge.parse_caption(row.text)["colour"], "none")
+        frames = judge.read_video(str(out / row.path))
+        asked = judge.parse_caption(row.text)
+        for v in (judge.judge_frames(frames), judge.judge_frames(_pooled(frames[None])[0])):
+            assert (v.colour, v.shape, v.direction) == (asked["colour"], asked["shape"], "none")
+
+
+def test_shapes_at_other_sizes_and_split_by_the_border():
+    """Every shape in every direction at radii 0.15-0.35 of the frame; a shape the wrapping frame splits in two is
+    judged whole; a speck of stray foreground does not change the shape's box."""
+    rng = np.random.default_rng(2)
+    for radius in (0.15, 0.2, 0.3, 0.35):
+        for shape in synthetic.SHAPES:
+            for d in synthetic.DIRECTIONS.values():
+                clip = synthetic.render(shape, synthetic.COLORS["yellow"], d, 8, 32, 32, rng, radius=radius)
+                assert judge.judge_frames(clip).shape == shape, (radius, shape, d, judge.judge_frames(clip))
+    square = synthetic.render("square", synthetic.COLORS["red"], (0, 0), 1, 32, 32, rng)[0]
+    split = np.roll(square, (16, 16), axis=(0, 1))  # the square's four quarters in the frame's four corners
+    assert (split[0] != split[16]).any() and (split[:, 0] != split[:, 16]).any()
+    assert judge.judge_frames(split[None]).shape == "square"
+    speck = square.copy()
+    speck[1, 1] = synthetic.COLORS["red"]
+    assert judge.judge_frames(speck[None]).box == judge.judge_frames(square[None]).box
+    # a disc stretched twice as long as it is wide is a bar; a square with its corners cut is a circle
+    yy, xx = np.mgrid[0:32, 0:32]
+    bg = np.asarray(synthetic.BACKGROUND, np.uint8)
+    ellipse = np.where((((yy - 16) / 10) ** 2 + ((xx - 16) / 5) ** 2 <= 1)[..., None], np.uint8(200), bg)
+    assert judge.judge_frames(ellipse[None]).shape == "bar"
+    box = (np.abs(yy - 16) <= 6) & (np.abs(xx - 16) <= 6)
+    cut = box & ~((np.abs(yy - 16) >= 5) & (np.abs(xx - 16) >= 5))  # 2 × 2 pixels off each corner
+    assert judge.judge_frames(np.where(cut[..., None], np.uint8(200), bg)[None]).shape == "circle"
+    assert judge.judge_frames(np.where(box[..., None], np.uint8(200), bg)[None]).shape == "square"
 
 
 def test_judge_says_no_to_what_is_not_there():
@@ -53,7 +99,7 @@ def test_judge_says_no_to_what_is_not_there():
     still = np.repeat(clip[:1], 8, axis=0)
     assert judge.judge_frames(still).direction == "none"
     empty = np.broadcast_to(np.asarray(synthetic.BACKGROUND, np.uint8), (8, 32, 32, 3))
-    assert judge.judge_frames(empty) == judge.Verdict(None, "none", (0.0, 0.0))
+    assert judge.judge_frames(empty) == judge.Verdict(None, "none", (0.0, 0.0), None, (0.0, 0.0))
     # a shape that jumps back and forth has no consistent direction even if it ends elsewhere
     jitter = np.stack([clip[i] if i % 2 else clip[7 - i] for i in range(8)])
     assert judge.judge_frames(jitter).direction in ("none", "up", "down")
@@ -106,15 +152,18 @@ def test_cli_scores_a_folder_and_draws_it(tmp_path):
     right = synthetic.render("circle", synthetic.COLORS["red"], synthetic.DIRECTIONS["right"], 8, 32, 32, rng)
     _sample_folder(tmp_path / "s", [(right, synthetic.caption("red", "circle", "right")),
                                     (right, synthetic.caption("red", "circle", "left")),
-                                    (right, synthetic.caption("blue", "circle", "right"))])
+                                    (right, synthetic.caption("blue", "circle", "right")),
+                                    (right, synthetic.caption("red", "bar", "right"))])
     r = subprocess.run([PYTHON, "-m", "data_tools.judge", str(tmp_path / "s"), "--png",
                         str(tmp_path / "grid.png")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "samples follow their prompts: colour 2/3, motion 2/3"
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "samples follow their prompts: colour 3/4, motion 3/4, shape 3/4"
+    assert "asked red bar right, shows red circle right" in lines[3]
     from PIL import Image
 
     with Image.open(tmp_path / "grid.png") as im:
-        assert im.width > 8 * 32 * 3 and im.height >= 3 * 32 * 3
+        assert im.width > 8 * 32 * 3 and im.height >= 4 * 32 * 3
 
 
 def test_cli_user_mistakes_are_one_line(tmp_path):
@@ -152,7 +201,8 @@ def test_every_clip_starts_at_the_centre_whichever_way_it_goes(dataset):
     """The demo set's shapes start near the centre: a first frame says nothing of the direction (only the
     caption does), while where the shape is over the clip lies on the side its direction names."""
     out, df = dataset
-    side = synthetic.START_JITTER * 32 + 1.0  # the start's jitter, plus a pixel for the centroid of a drawn shape
+    # the start's jitter, plus a pixel for the centroid of a drawn shape
+    side = synthetic.PRESETS["demo"].get("jitter", synthetic.START_JITTER) * 32 + 1.0
     firsts = {d: [] for d in synthetic.DIRECTIONS}
     for row in df[df.num_frames > 1].itertuples():
         d = judge.parse_caption(row.text)["direction"]
@@ -225,3 +275,21 @@ def test_a_trail_shows_the_direction_in_every_frame():
             behind = (by - ys.mean()) * dy + (bx - xs.mean()) * dx  # < 0: behind the shape
             near = (np.abs(by - ys.mean()) < 12) & (np.abs(bx - xs.mean()) < 12)
             assert (behind[near] < 0).all()
+
+
+def test_jitter_bounds_where_a_centre_start_begins(tmp_path):
+    """--jitter J: a centre start lies within J of the frame's side from its middle (±1 px at 0.03 and 32 px), and
+    the clip still travels its caption's way; a jitter outside [0, 0.5] is one line, exit 2."""
+    rng = np.random.default_rng(4)
+    for d in synthetic.DIRECTIONS:
+        for _ in range(10):
+            clip = synthetic.render("square", synthetic.COLORS["white"], synthetic.DIRECTIONS[d], 9, 32, 32, rng,
+                                    jitter=0.03)
+            first, _ = _first_and_mean_place(clip)
+            assert np.abs(first).max() <= 0.03 * 32 + 1.0, (d, first)
+            assert judge.judge_frames(clip).direction == d
+    r = subprocess.run([PYTHON, "-m", "data_tools.synthetic", "--output", str(tmp_path / "d"), "--jitter", "0.7"],
+                       cwd=REPO, capture_output=True, text=True)
+    expected = ["data_tools.synthetic: --jitter must be in [0, 0.5], got 0.7"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == expected, r.stderr
+    assert not (tmp_path / "d").exists()
