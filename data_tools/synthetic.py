@@ -27,7 +27,7 @@ import pandas as pd
 from PIL import Image
 
 from data_tools.stream import HelpFormatter
-from jaxsora.cli import ArgumentParser
+from jaxsora.cli import ArgumentParser, hidden_aliases
 from jaxsora.data.video import write_mp4
 from jaxsora.errors import BadInput, OutputExists, run_cli
 
@@ -226,8 +226,9 @@ def _parse_frames(s: str):
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m data_tools.synthetic", description=__doc__,
                         formatter_class=HelpFormatter)
-    ap.add_argument("--output", "--out", dest="out", metavar="DIR", required=True,
-                    help="folder for videos/, images/, meta.csv and prompts.txt (made if missing)")
+    hidden_aliases(ap, ap.add_argument("--output", dest="out", metavar="DIR", required=True,
+                                       help="folder for videos/, images/, meta.csv and prompts.txt (made if missing)"),
+                   "--out")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="the sizes and counts to start from")
     ap.add_argument("--num-videos", type=int, help="video clips (default: the preset's)")
     ap.add_argument("--num-images", type=int, help="still images (default: the preset's)")

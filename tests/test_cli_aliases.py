@@ -21,6 +21,7 @@ CASES = [
     ("data_tools.precompute", ["--text-encoder", "{}", "--output", "c"], "--input", "--table", "m.csv", [], "table"),
     ("data_tools.precompute", ["--input", "m.csv", "--text-encoder", "{}"], "--output", "--out", "c", [], "out"),
     ("data_tools.precompute", ["--latents", "--output", "c"], "--num-workers", "--workers", "3", [], "workers"),
+    ("data_tools.synthetic", [], "--output", "--out", "d", [], "out"),
     ("jaxsora.sample", [], "--ckpt-path", "--ckpt", "r", [], "ckpt_opt"),
     ("jaxsora.sample", [], "--prompt-path", "--prompt-file", "p.txt", [], "prompt_path"),
     ("jaxsora.sample", [], "--output", "--save-dir", "o", [], "save_dir"),
@@ -35,6 +36,7 @@ HELP = [("jaxsora.tools.average", [], "--output", "--out "),
         ("data_tools.shard", [], "--output", "--out-dir"),
         ("data_tools.precompute", [], "--num-workers", "--workers"),
         ("jaxsora.tools.search_bs", [], "--output", "--out "),
+        ("data_tools.synthetic", [], "--output", "--out "),
         ("jaxsora.sample", [], "--prompt-path", "--prompt-file"),
         ("jaxsora.sample", [], "--output", "--save-dir")]
 
