@@ -214,16 +214,33 @@ def _print_help(prog: str, define_flags: Callable[[], None], dashed: Sequence[st
 
 
 def _read_opensora(prog, path, argv):
-    """The Open-Sora file read into jaxsora terms (`jaxsora.opensora_config`); a mistake in it is one line."""
+    """(argv less Open-Sora's own training flags, the Open-Sora file read into jaxsora terms with those flags
+    applied as Open-Sora applies them: `jaxsora.opensora_config`); a mistake in either is one line."""
     from jaxsora.errors import UserError
-    from jaxsora.opensora_config import translate_train
+    from jaxsora.opensora_config.train import split_opensora_flags, translate_train
 
     try:
-        return translate_train(path)
+        argv, given = split_opensora_flags(argv)
+        return argv, translate_train(path, given)
     except UserError as e:
         if debug_requested(argv):
             raise
         fail(prog, str(e))
+
+
+def _refuse_opensora_flags(prog, argv):
+    """Open-Sora's training flags belong to its config files: with a jaxsora config, one line naming the
+    override that does the same."""
+    from jaxsora.opensora_config.train import OPEN_SORA_TRAIN_FLAGS
+
+    instead = {"--lr": "--config.optim.lr=2e-4", "--warmup-steps": "--config.optim.warmup_steps=1000",
+               "--batch-size": "--config.data.batch_size_override=4", "--seed": "--config.train.seed=42",
+               "--dtype": "--config.model.compute_dtype=bfloat16", "--wandb": "--config.wandb.enabled=true"}
+    for a in argv[1:]:
+        name = a.partition("=")[0]
+        if name in OPEN_SORA_TRAIN_FLAGS:
+            hint = f"; with a jaxsora config: {instead[name]}" if name in instead else " (it changes nothing here)"
+            fail(prog, f"{name} is Open-Sora's flag for its own config files{hint}")
 
 
 def _opensora_argv(prog, path, translation, argv, flag_values):
@@ -274,12 +291,13 @@ def config_app(prog: str, define_flags: Callable[[], None], body: Callable[[], i
     flags.DEFINE_bool("debug", False, "show tracebacks for user errors too (also JAXSORA_DEBUG=1)")
     define_flags()
     if opensora:  # an Open-Sora (mmengine-style) file: read into the jaxsora config, its notes said once
-        translation = _read_opensora(prog, path, argv)
+        argv, translation = _read_opensora(prog, path, argv)
         argv = _opensora_argv(prog, path, translation, argv, flags.FLAGS)
         # sys_argv: the overrides (--config.KEY=VALUE) are looked up in the argv absl parses
         config_flags.DEFINE_config_dict("config", translation.config(), "the Open-Sora config, read into jaxsora's",
                                         lock_config=True, sys_argv=argv)
     else:
+        _refuse_opensora_flags(prog, argv)
         config_flags.DEFINE_config_file("config", None, "config file (get_config() → ConfigDict)", lock_config=True)
 
     def run(_):

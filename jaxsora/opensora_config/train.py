@@ -22,8 +22,10 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from jaxsora.errors import ConfigError
 from jaxsora.opensora_config.mapping import REQUIRED, Ctx, Row, Translation, apply_table, fmt, is_int, is_num
 from jaxsora.opensora_config.reader import plain, read_config
 
@@ -549,9 +551,70 @@ def _jaxsora_block(block, ctx: Ctx, base) -> None:
             ctx.out.set(f"{group}.{key}", plain(value), f"{JAXSORA_BLOCK}: {group}.{key}")
 
 
-def translate_train(path: str) -> Translation:
-    """Read the Open-Sora train config `path` into a `Translation` (ConfigError naming the first problem)."""
+def _str2bool(text: str) -> bool:
+    if text.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if text.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise ValueError("expected true or false")
+
+
+# Open-Sora 1.2's training flags (`opensora/utils/config_utils.py`, parse_args(training=True)) that jaxsora.train
+# has no flag of its own for: flag → (the config key it sets, as Open-Sora's merge_args sets it; its value's type).
+# --ckpt-path, --data-path, --outputs, --load and --start-from-scratch are jaxsora.train's own flags.
+OPEN_SORA_TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "--lr": ("lr", float),
+    "--warmup-steps": ("warmup_steps", int),
+    "--batch-size": ("batch_size", int),
+    "--seed": ("seed", int),
+    "--dtype": ("dtype", str),
+    "--wandb": ("wandb", _str2bool),  # Open-Sora's type=bool takes any text as True; here false/0/no is False
+    "--flash-attn": ("model.enable_flash_attn", _str2bool),
+    "--layernorm-kernel": ("model.enable_layernorm_kernel", _str2bool),
+    "--record-time": ("record_time", None),  # store_true
+}
+
+
+def split_opensora_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """(argv less Open-Sora's training flags, {config key: value} of those given), as Open-Sora's merge_args
+    puts them into the file's config; a bad value is a ConfigError naming the flag."""
+    rest, values, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, text = arg.partition("=")
+        if name not in OPEN_SORA_TRAIN_FLAGS:
+            rest.append(arg)
+            i += 1
+            continue
+        key, kind = OPEN_SORA_TRAIN_FLAGS[name]
+        if kind is None:
+            if eq:
+                raise ConfigError(f"{name} takes no value")
+            values[key] = True
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            text, i = argv[i + 1], i + 1
+        try:
+            values[key] = kind(text)
+        except ValueError as e:
+            raise ConfigError(f"{name} {text}: {e}") from None
+        i += 1
+    return rest, values
+
+
+def translate_train(path: str, flags: Mapping[str, Any] | None = None) -> Translation:
+    """Read the Open-Sora train config `path` into a `Translation` (ConfigError naming the first problem).
+    `flags`: Open-Sora's training flags given on the command line (`split_opensora_flags`), set into the file's
+    config first, as Open-Sora's merge_args does."""
     raw = read_config(path)
+    for key, value in (flags or {}).items():
+        node, *parents = raw, *key.split(".")[:-1]
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[key.split(".")[-1]] = value
     out = Translation(path=path)
     ctx = Ctx(path, raw, out)
     out.set("train.experiment", os.path.splitext(os.path.basename(path))[0], "the file's name")

@@ -201,13 +201,15 @@ def test_the_command_line_runs_an_open_sora_file(tmp_path):
     table.write_text("path,text,num_frames,height,width\na.mp4,hi,8,32,32\n")
     path = str(LAMBDA / "stage4.py")
     r = subprocess.run([PYTHON, "-m", "jaxsora.train", path, "--data-path", str(table), "--dry-run",
-                        "--outputs", str(tmp_path / "out"), "--config.optim.lr=3e-4", "--config.model.depth=1"],
+                        "--outputs", str(tmp_path / "out"), "--config.optim.lr=3e-4", "--config.model.depth=1",
+                        "--seed", "5", "--warmup-steps=7"],  # Open-Sora's own flags, set into the file's config
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("[jaxsora.train] stage4.py: ")]
     assert len(notes) == len(set(notes)) == len(translate_train(path).notes)
     assert any("plugin 'zero2'" in n for n in notes)
-    for line in ("optim.lr = 0.0003", "optim.lr_schedule = '1cycle'", "optim.max_lr = 0.00064", "train.epochs = 10",
+    for line in ("train.seed = 5", "data.seed = 5", "optim.warmup_steps = 7",
+                 "optim.lr = 0.0003", "optim.lr_schedule = '1cycle'", "optim.max_lr = 0.00064", "train.epochs = 10",
                  "optim.weight_decay = 0.01", "train.outputs = 'outputs_speedrun'", "mask_ratios.random = 0.0"):
         assert line in r.stdout.splitlines(), line
     assert "steps per epoch" in r.stdout
@@ -231,6 +233,36 @@ def test_the_command_line_runs_an_open_sora_file(tmp_path):
         r = subprocess.run([PYTHON, "-m", "jaxsora.config", "translate", given], capture_output=True, text=True,
                            cwd=REPO, timeout=120)
         assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_open_soras_training_flags_go_into_the_file_as_its_merge_args_puts_them(tmp_path):
+    """--lr, --warmup-steps, --seed, --wandb, --batch-size, --dtype, --flash-attn, --record-time (both spellings) read
+    as the same keys written into the file; a bad value is one ConfigError; with a jaxsora config each is one line
+    naming the override to use instead, before jax."""
+    from jaxsora.opensora_config.train import split_opensora_flags
+
+    argv = ["prog", "--lr", "2e-4", "--warmup-steps=300", "--seed", "7", "--wandb", "false", "--batch-size", "3",
+            "--dtype", "fp32", "--flash-attn", "no", "--record-time", "--data_path", "x.csv"]
+    rest, given = split_opensora_flags(argv)
+    assert rest == ["prog", "--data_path", "x.csv"]
+    assert given == {"lr": 2e-4, "warmup_steps": 300, "seed": 7, "wandb": False, "batch_size": 3, "dtype": "fp32",
+                     "model.enable_flash_attn": False, "record_time": True}
+    edited = _edit(tmp_path, "mine.py", "lr = 2e-4\nwarmup_steps = 300\nseed = 7\nwandb = False\n"
+                                        "dtype = 'fp32'\n", base=LAMBDA / "stage2.py")
+    want, got = translate_train(edited).config(), translate_train(str(LAMBDA / "stage2.py"), given).config()
+    for key in ("optim.lr", "optim.lr_schedule", "optim.warmup_steps", "train.seed", "wandb.enabled",
+                "model.compute_dtype"):
+        group, name = key.split(".")
+        assert got[group][name] == want[group][name], key
+    for bad in (["--lr", "fast"], ["--wandb", "maybe"], ["--seed"], ["--record-time=1"]):
+        with pytest.raises(ConfigError, match=bad[0].split("=")[0]):
+            split_opensora_flags(["prog", *bad])
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "jaxsora.train", "--config", "configs/demo.py",
+                        "--lr", "2e-4"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    errors = [ln for ln in r.stderr.splitlines() if not ln.startswith("import time:")]
+    imported = {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    assert r.returncode == 2 and len(errors) == 1 and "--config.optim.lr=2e-4" in errors[0], r.stderr[-2000:]
+    assert not imported & {"jax", "flax", "optax", "orbax", "torch"}
 
 
 def test_fixture_readme_names_every_file():
