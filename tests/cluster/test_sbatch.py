@@ -34,6 +34,29 @@ exit "${codes[$SLURM_PROCID]}"
 """
 
 
+# srun as SLURM signals a step (`--signal=TERM@300`, scancel): each task started in a process group of its own,
+# SIGTERM sent to that group after a moment, the task waited for
+SRUN_SIGTERM = """#!/bin/bash
+while [[ "$1" == -* ]]; do shift; done
+rc=0
+for ((t = 0; t < SLURM_NTASKS; t++)); do
+  SLURM_PROCID=$t setsid "$@" &
+  pid=$!
+  sleep 0.5
+  kill -TERM -- "-$pid"
+  wait "$pid"; c=$?
+  (( c > rc )) && rc=$c
+done
+exit $rc
+"""
+# a trainer that saves a checkpoint on SIGTERM (for a while) and exits 75
+SAVING_TRAINER = """#!/bin/bash
+trap 'sleep 0.5; echo "task $SLURM_PROCID saved" >> "$FAKE_LOG"; exit 75' TERM
+echo "task $SLURM_PROCID: $*" >> "$FAKE_LOG"
+sleep 10 & wait
+"""
+
+
 @pytest.fixture
 def slurm_job(tmp_path):
     bin_dir = tmp_path / "bin"
@@ -84,6 +107,17 @@ def test_the_requeued_job_resumes_from_an_intact_checkpoint_only(slurm_job, tmp_
     assert "--load" not in calls and f"--run-dir {run_dir}" in calls, calls
     _, calls = slurm_job((0, 0), checkpoints=[("4", True)], restarts=1)
     assert calls.count(f"--load {run_dir}") == 2, calls  # both tasks
+
+
+def test_sigterm_to_a_task_waits_for_its_checkpoint_and_requeues(slurm_job, tmp_path):
+    """SLURM's SIGTERM reaches the task's whole process group: the task's shell waits for the trainer to save and
+    exit 75, records that code, and the job is requeued (a shell that died at once would leave no code)."""
+    bin_dir = tmp_path / "bin"
+    write_exe(bin_dir / "srun", SRUN_SIGTERM)
+    write_exe(bin_dir / "trainer", SAVING_TRAINER)
+    r, calls = slurm_job((0, 0))
+    assert calls.count("saved") == 2 and "scontrol requeue 77" in calls, r.stdout + r.stderr + calls
+    assert "exit codes of the tasks (task:code): 0:75 1:75" in r.stdout, r.stdout
 
 
 def test_not_requeued_past_the_limit(slurm_job):
