@@ -43,8 +43,9 @@ def load_config(path: str, overrides: list[str]):
     from absl import flags
     from ml_collections import config_flags
 
-    from jaxsora.cli import _unknown_override, register_configs_package
+    from jaxsora.cli import _unknown_override
     from jaxsora.config import load_bucket_config_file
+    from jaxsora.config_files import register_configs_package
 
     if not os.path.isfile(path.split(":")[0]):
         raise MissingFile(f"no such config file: {path.split(':')[0]}")

@@ -120,7 +120,7 @@ def _choices() -> dict[str, str]:
 
 def load_config(path: str):
     """`get_config()` of a config file of this repository (its `configs` package registered by path)."""
-    from jaxsora.cli import register_configs_package
+    from jaxsora.config_files import register_configs_package
 
     full = os.path.join(REPO, path)
     register_configs_package(full)

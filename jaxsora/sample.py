@@ -306,7 +306,7 @@ def _jaxsora_config(path: str) -> dict:
     """A jaxsora config file's `get_config()` as a plain dict."""
     import importlib.util
 
-    from jaxsora.cli import register_configs_package
+    from jaxsora.config_files import register_configs_package
     from jaxsora.opensora_config.reader import plain
 
     file = path.split(":")[0]

@@ -46,7 +46,7 @@ def _config_keys_exist(argv, rest) -> str | None:
         return None
     if not config:
         return f"{rest[0]}: no --config to override"
-    from jaxsora.cli import register_configs_package
+    from jaxsora.config_files import register_configs_package
 
     register_configs_package(config)
     import importlib.util

@@ -61,7 +61,7 @@ def base_config():
     """jaxsora's `configs/base.py` `get_config()` (loaded by path as the `configs` package)."""
     import importlib
 
-    from jaxsora.cli import register_configs_package
+    from jaxsora.config_files import register_configs_package
 
     path = os.path.join(jaxsora_configs_dir(), "base.py")
     if not os.path.isfile(path):

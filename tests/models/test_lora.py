@@ -332,7 +332,7 @@ def test_targets_from_the_command_line(value):
     from absl import flags
     from ml_collections import config_flags
 
-    from jaxsora.cli import register_configs_package
+    from jaxsora.config_files import register_configs_package
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lora_example.py")
     register_configs_package(path)

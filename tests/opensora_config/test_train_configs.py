@@ -177,7 +177,7 @@ def test_base_chains_merge_as_mmengine(tmp_path):
 def test_translate_round_trips(path, tmp_path):
     """The written file (saved outside any configs/ folder) resolves to exactly the config the Open-Sora file
     does, and is itself a plain jaxsora config (no Open-Sora reading involved)."""
-    from jaxsora.cli import register_configs_package
+    from jaxsora.config_files import register_configs_package
 
     tr = translate_train(str(path))
     out = tmp_path / "translated.py"
