@@ -16,7 +16,7 @@ uses a given first frame has `i2v` well below `t2v` and `i2v other` above it. Sa
 
 A second table judges, per noise level, the model's one-step estimate of the clean clip (x0 = x_t + t/1000 · v,
 own caption, every frame noised) by its pixels, as data_tools.judge judges a sample: per shape the clips whose
-estimate shows their shape, and the estimate's box (elongation, fill; see data_tools.judge). Where that estimate
+estimate shows their shape, and the estimate's fit (elongation, disc, square; see data_tools.judge). Where that estimate
 is a round blob whatever the caption says, a sampler passing through that noise level gets no shape from it.
 """
 from __future__ import annotations
@@ -100,9 +100,9 @@ def main(argv=None) -> int:
 
     asked = np.asarray([parse_caption(text)["shape"] for text in df.text])
     shapes = [s for s in ("circle", "square", "bar") if (asked == s).any()]
-    print("\none-step estimate of the clean clip, judged: per shape, clips showing it / clips, mean box "
-          "(elongation:1, fill)")
-    print(f"{'t':>5} " + " ".join(f"{s:>22}" for s in shapes))
+    print("\none-step estimate of the clean clip, judged: per shape, clips showing it / clips, mean fit "
+          "(elongation, disc, square)")
+    print(f"{'t':>5} " + " ".join(f"{s:>27}" for s in shapes))
     for tv in (int(v) for v in args.t.split(",")):
         est = np.asarray(pipe.vae.decode(error(tv, x0, y, m, estimate=True), t))  # [B, 3, T, H, W] in [-1, 1]
         frames = np.clip(np.round((np.transpose(est, (0, 2, 3, 4, 1)) + 1) * 127.5), 0, 255)
@@ -110,9 +110,9 @@ def main(argv=None) -> int:
         cells = []
         for s in shapes:
             vs = verdicts[asked == s]
-            box = np.mean([v.box for v in vs], axis=0)
-            cells.append(f"{sum(v.shape == s for v in vs)}/{len(vs)} ({box[0]:.2f}:1, {box[1]:.2f})")
-        print(f"{tv:>5} " + " ".join(f"{cell:>22}" for cell in cells))
+            fit = np.mean([v.fit for v in vs], axis=0)
+            cells.append(f"{sum(v.shape == s for v in vs)}/{len(vs)} ({fit[0]:.2f}, {fit[1]:.2f}, {fit[2]:.2f})")
+        print(f"{tv:>5} " + " ".join(f"{cell:>27}" for cell in cells))
     return 0
 
 

@@ -9,10 +9,13 @@ This judges a video by its pixels alone:
 - motion: the foreground's centroid in every frame (on the circle: the set's frames wrap around its
   borders), a least-squares line through it over the frames; the direction is the dominant axis of
   that line's travel (first to last frame) and its sign. A travel under `MIN_TRAVEL` of the frame's
-  side, or frames with no foreground, is "none".
+  side, or frames with no foreground, is "none";
+- shape: the foreground's largest piece in every frame. Much longer than wide (`BAR_ELONGATION`), a bar;
+  otherwise the nearer, by intersection over union, of a disc and a square of its area at its centroid.
+  An oval or a blob that fits both about as well is "unclear". The medians over the frames decide.
 
-The judge is checked on the set's own clips (tests/data_tools/test_judge.py): every training clip
-gets its caption's colour and direction.
+The judge is checked on the set's own clips (tests/data_tools/test_judge.py): every 8-frame crop of every
+training clip, as drawn and after the demo's 2x pooling, gets its caption's colour, direction and shape.
 
 DIR holds `sample_NNNN.mp4` + `sample_NNNN.json` (what `jaxsora.sample` writes; the sidecar's
 `prompt` is the caption judged against). It prints one line per sample and the summary
@@ -47,17 +50,22 @@ MIN_FOREGROUND_PIXELS = 6
 # the shape is judged not to move. The set's clips travel 0.5 of the frame or more over 12 frames
 # (~0.3 over an 8-frame crop); 0.05 is 1.6 px at 32 px.
 MIN_TRAVEL = 0.05
-# Shape, from the bounding box of the foreground's largest piece. data_tools.synthetic draws, at radius r:
-# a disc x² + y² ≤ r², a square of side 2r + 1, a bar 2r + 1 long and 2·(r // 2) + 1 wide across the motion.
-# Measured on every 8-frame crop of the demo set at r = 6 px (radius 0.2 at 32 px) and r = 10 px (0.3, the demo
-# preset's now), as drawn and after the IdentityVAE's 2× average pooling and nearest upsampling:
-# - elongation, the box's long side over its short: bars 2.0 as drawn, pooled 1.50-2.33 at r = 6 and 1.67-2.20
-#   at r = 10; discs and squares at most 1.05 as drawn, 1.17 pooled.
-BAR_ELONGATION = 1.35
-# - fill, the piece's pixels over its box's area: squares 1.0 as drawn, ≥ 0.96 pooled; discs leave the
-#   corners empty, 0.76-0.82 as drawn (π/4 ≈ 0.785 for a large one) but pooled up to 0.89 at r = 6 (0.85 at
-#   r = 10), where a disc 6.5 latent pixels across is a square with its corner pixels cut.
-SQUARE_FILL = 0.92
+# Shape, from the foreground's largest piece in each frame, fitted against the set's shapes. data_tools.synthetic
+# draws, at radius r: a disc x² + y² ≤ r², a square of side 2r + 1, a bar 2r + 1 long and 2·(r // 2) + 1 wide across
+# the motion.
+# - elongation, the piece's longer axis over its shorter (the square root of its second moments' eigenvalues): bars
+#   ~2.0 as drawn, 1.76-2.06 after the IdentityVAE's 2x average pooling and nearest upsampling; discs and squares
+#   1.00-1.07 as drawn, up to 1.12 pooled (every 8-frame crop of the demo set at r = 6 and r = 10 px). A piece
+#   at least BAR_ELONGATION long is a bar; one under ROUND_ELONGATION may be a disc or a square; one between (an oval,
+#   a blob stretched by its motion) is none of the three: "unclear".
+BAR_ELONGATION = 1.4
+ROUND_ELONGATION = 1.25
+# - otherwise, the nearer of a disc and a square: each drawn with the piece's area at its centroid, compared by
+#   intersection over union with the piece. The set's discs fit a disc 0.84-1.00 and a square 0.74-0.88, its squares
+#   0.83-0.88 and 0.89-1.00 (pooled at r = 6: the closest pair). Where the two fits are within SHAPE_MARGIN of each
+#   other the piece is a blob between the two: "unclear". (Before, a bounding box's fill read the shape: a sampled
+#   square with a 2-pixel bump on one side filled its box as a circle does, and every blob was a "circle".)
+SHAPE_MARGIN = 0.03
 
 _CAPTION = re.compile(r"\ba (?P<colour>\w+) (?P<shape>\w+)(?: moving (?P<direction>\w+))?")
 
@@ -67,8 +75,8 @@ class Verdict:
     colour: str | None  # nearest palette colour of the foreground (None: no foreground)
     direction: str  # "right" | "left" | "down" | "up" | "none"
     travel: tuple  # (dy, dx) of the fitted centroid line, first to last frame, in pixels
-    shape: str | None = None  # "circle" | "square" | "bar" (None: no frame with enough foreground)
-    box: tuple = (0.0, 0.0)  # (elongation, fill) of the foreground's largest piece, medians over the frames
+    shape: str | None = None  # "circle" | "square" | "bar" | "unclear" (None: no frame with enough foreground)
+    fit: tuple = (0.0, 0.0, 0.0)  # (elongation, disc fit, square fit) of the largest piece, medians over frames
 
 
 def parse_caption(text: str) -> dict:
@@ -94,10 +102,10 @@ def _circular_centroid(fg: np.ndarray, axis: int) -> np.ndarray:
     return np.unwrap(np.arctan2(s, c)) * size / (2 * np.pi)
 
 
-def _box(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float]:
-    """fg [H, W] bool (a frame's foreground, not empty), (cy, cx) its circular centroid → (elongation, fill)
-    of its largest 4-connected piece's bounding box. The frame is first rolled so that the centroid sits at
-    its middle: a shape that the wrapping frame splits across a border is whole again."""
+def _fit(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float, float]:
+    """fg [H, W] bool (a frame's foreground, not empty), (cy, cx) its circular centroid → (elongation, fit to a
+    disc, fit to a square) of its largest 4-connected piece (see BAR_ELONGATION). The frame is first rolled so that
+    the centroid sits at its middle: a shape that the wrapping frame splits across a border is whole again."""
     from scipy import ndimage
 
     h, w = fg.shape
@@ -105,16 +113,31 @@ def _box(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float]:
     labels, n = ndimage.label(fg)
     if n > 1:
         fg = labels == 1 + int(np.argmax(np.bincount(labels.ravel())[1:]))
-    rows, cols = np.nonzero(fg.any(axis=1))[0], np.nonzero(fg.any(axis=0))[0]
-    bh, bw = rows[-1] - rows[0] + 1, cols[-1] - cols[0] + 1
-    return max(bh, bw) / min(bh, bw), float(fg.sum()) / (bh * bw)
+    ys, xs = np.nonzero(fg)
+    my, mx = ys.mean(), xs.mean()
+    low, high = np.linalg.eigvalsh(np.cov(np.stack([ys, xs]).astype(np.float64)) + 1e-9 * np.eye(2)) if len(ys) > 1 \
+        else (1.0, 1.0)
+    elongation = float(np.sqrt(max(high, 1e-9) / max(low, 1e-9)))
+    yy, xx = np.mgrid[0:h, 0:w]
+    area = float(fg.sum())
+    disc = (yy - my) ** 2 + (xx - mx) ** 2 <= area / np.pi
+    half = np.sqrt(area) / 2
+    square = (np.abs(yy - my) <= half) & (np.abs(xx - mx) <= half)
+
+    def iou(a):
+        return float((a & fg).sum()) / float((a | fg).sum())
+
+    return elongation, iou(disc), iou(square)
 
 
-def shape_of(elongation: float, fill: float) -> str:
-    """The set's shape a foreground box of this elongation and fill shows (see BAR_ELONGATION, SQUARE_FILL)."""
+def shape_of(elongation: float, disc: float, square: float) -> str:
+    """The set's shape a piece of this elongation and these fits (intersection over union with a disc and with a
+    square of its area) shows, or "unclear" (see BAR_ELONGATION, ROUND_ELONGATION, SHAPE_MARGIN)."""
     if elongation >= BAR_ELONGATION:
         return "bar"
-    return "square" if fill >= SQUARE_FILL else "circle"
+    if elongation >= ROUND_ELONGATION or abs(square - disc) < SHAPE_MARGIN:
+        return "unclear"
+    return "square" if square > disc else "circle"
 
 
 def judge_frames(frames: np.ndarray) -> Verdict:
@@ -136,22 +159,22 @@ def judge_frames(frames: np.ndarray) -> Verdict:
 
     counts = fg.sum(axis=(1, 2))
     ok = counts >= MIN_FOREGROUND_PIXELS
-    shape, box = None, (0.0, 0.0)
+    shape, fit = None, (0.0, 0.0, 0.0)
     if ok.any():
         cy, cx = _circular_centroid(fg[ok], axis=1), _circular_centroid(fg[ok], axis=2)
-        elongation, fill = np.median(np.asarray([_box(*a) for a in zip(fg[ok], cy, cx)]), axis=0)
-        shape, box = shape_of(elongation, fill), (float(elongation), float(fill))
+        fit = tuple(float(v) for v in np.median(np.asarray([_fit(*a) for a in zip(fg[ok], cy, cx)]), axis=0))
+        shape = shape_of(*fit)
     if t < 2 or ok.sum() < 2:
-        return Verdict(colour, "none", (0.0, 0.0), shape, box)
+        return Verdict(colour, "none", (0.0, 0.0), shape, fit)
     frames_idx = np.arange(t, dtype=np.float32)[ok]
     span = float(t - 1)
     dy = float(np.polyfit(frames_idx, cy, 1)[0]) * span
     dx = float(np.polyfit(frames_idx, cx, 1)[0]) * span
     if max(abs(dy) / h, abs(dx) / w) < MIN_TRAVEL:
-        return Verdict(colour, "none", (dy, dx), shape, box)
+        return Verdict(colour, "none", (dy, dx), shape, fit)
     horizontal = abs(dx) / w >= abs(dy) / h
     direction = ("right" if dx > 0 else "left") if horizontal else ("down" if dy > 0 else "up")
-    return Verdict(colour, direction, (dy, dx), shape, box)
+    return Verdict(colour, direction, (dy, dx), shape, fit)
 
 
 def read_video(path: str) -> np.ndarray:
@@ -270,10 +293,11 @@ def _main(args) -> int:
     if not args.quiet:
         for j in judged:
             dy, dx = j.verdict.travel
-            e, f = j.verdict.box
+            e, disc, square = j.verdict.fit
             print(f"{os.path.relpath(j.path, args.input)}: asked {j.asked['colour']} {j.asked['shape']} "
                   f"{j.asked['direction']}, shows {j.verdict.colour} {j.verdict.shape} {j.verdict.direction} "
-                  f"(travel dy {dy:+.1f} dx {dx:+.1f} px; box {e:.2f}:1, fill {f:.2f})")
+                  f"(travel dy {dy:+.1f} dx {dx:+.1f} px; elongation {e:.2f}, "
+                  f"fits a disc {disc:.2f}, a square {square:.2f})")
     if args.png:
         print(f"frames → {draw_grid(judged, args.png)}")
     print(summary(judged))
