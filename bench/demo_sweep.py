@@ -105,6 +105,9 @@ VARIANTS = {
     "uniform-t": ([], ['c.scheduler.sample_method = "uniform"'], 1200),
     # the other way: centre 0.82 (loc 1.5), more of the steps where a sample's layout is decided
     "loc15": ([], ["c.scheduler.loc = 1.5"], 1200),
+    "loc15-seed3": (["--seed", "3"], ["c.scheduler.loc = 1.5", "c.train.seed = 3"], 1200),  # other data and init
+    "loc2": ([], ["c.scheduler.loc = 2.0"], 1200),  # centre 0.88
+    "loc2-seed3": (["--seed", "3"], ["c.scheduler.loc = 2.0", "c.train.seed = 3"], 1200),
     # the learning rate anneals (cosine) to 2e-5 by the last step, on the demo's set
     "cosine-now": ([], [COSINE], 1200),
 }
