@@ -11,10 +11,11 @@ What differs from a stage config, and why (each measured on the demo set; docs/d
   at 32×32 pixels the reference's 512 spaces neighbouring tokens 16 units apart, where most of the
   sin/cos frequencies alias. 32 gives them the spacing a 512-pixel model has at 512 pixels.
 - The timestep shift: the reference's resolution-dependent transform would, at 32 pixels, squeeze
-  training t toward 0 (ratio 0.0625). The demo trains instead with the shift the stage configs get
-  at 240p-720p (ratio e ≈ 2.7): logit-normal t with `scheduler.loc=1`, which is the same
-  distribution (the transform adds log(ratio) to the logit). The sampler follows what the
-  checkpoint's config says (no transform: uniform steps).
+  training t toward 0 (ratio 0.0625). The demo trains instead with logit-normal t around 0.82
+  (`scheduler.loc=1.5`), the same distribution as the transform at ratio e^1.5 ≈ 4.5 (it adds
+  log(ratio) to the logit). At loc 1 (ratio e ≈ 2.7, the stage configs' shift at 240p-720p) the demo
+  drew fewer of its shapes, at 0.5 fewer still and lost motion (docs/demo.md, "The shape"). The
+  sampler follows what the checkpoint's config says (no transform: uniform steps).
 - `mask_ratios`: more frame-conditioning masks than stage 1 (first, last or random frames given),
   which is where a model learns that motion continues one way in time.
 - lr 2e-3 (100 warmup steps), 1,200 steps (~9 minutes on 2 CPU cores), EMA 0.99.
@@ -25,8 +26,8 @@ over the clip follows the direction word. On the wrapping set (shapes start anyw
 took the direction from the word (motion at chance after 2,000-3,000 steps; docs/demo.md).
 The shapes are of radius 0.3 and start within ±1 px of the centre (before: radius 0.2 within ±3.2 px): the
 demo trains mostly at high noise, where the best guess of a clip is its shape averaged over where it may be,
-and that spread had rounded every shape off (shape 15/48, all blobs); now bars come out as bars (27/48), while
-squares still come out round (bench/demo_probe.py judges the model's one-step estimates by shape).
+and that spread had rounded every shape off. Now bars and squares come out as asked; circles come out as
+rounded boxes or ovals (bench/demo_probe.py judges the model's one-step estimates by shape).
 """
 from configs import base
 
@@ -43,7 +44,7 @@ def get_config():
     c.data.resolutions = {"demo32": [("1.00", (32, 32))]}  # {name: [(H/W key, (H, W)), ...]}
     c.data.bucket_config = {"demo32": {1: (1.0, 8), 8: (1.0, 4)}}
     c.data.num_workers = 0
-    c.scheduler.update(dict(use_timestep_transform=False, loc=1.0))
+    c.scheduler.update(dict(use_timestep_transform=False, loc=1.5))
     c.mask_ratios = dict(image_head=0.25, image_tail=0.1, quarter_head=0.1, random=0.1)
     c.optim.update(dict(lr=2e-3, warmup_steps=100, weight_decay=0.0, ema_decay=0.99))
     c.mesh.update(dict(data=-1, fsdp=1, sequence=1))
