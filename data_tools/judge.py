@@ -115,9 +115,8 @@ def _fit(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float, float]:
         fg = labels == 1 + int(np.argmax(np.bincount(labels.ravel())[1:]))
     ys, xs = np.nonzero(fg)
     my, mx = ys.mean(), xs.mean()
-    low, high = np.linalg.eigvalsh(np.cov(np.stack([ys, xs]).astype(np.float64)) + 1e-9 * np.eye(2)) if len(ys) > 1 \
-        else (1.0, 1.0)
-    elongation = float(np.sqrt(max(high, 1e-9) / max(low, 1e-9)))
+    low, high = np.linalg.eigvalsh(np.cov(np.stack([ys, xs]).astype(np.float64))) if len(ys) > 1 else (0.0, 0.0)
+    elongation = float(np.sqrt((high + 1e-9) / (low + 1e-9)))  # a one-pixel-wide line: very long; one pixel: 1
     yy, xx = np.mgrid[0:h, 0:w]
     area = float(fg.sum())
     disc = (yy - my) ** 2 + (xx - mx) ** 2 <= area / np.pi

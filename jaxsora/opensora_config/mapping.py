@@ -52,21 +52,17 @@ class Translation:
         return c
 
 
-def jaxsora_configs_dir() -> str:
-    """The `configs/` folder of the jaxsora checkout this package runs from."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-
-
 def base_config():
     """jaxsora's `configs/base.py` `get_config()` (loaded by path as the `configs` package)."""
     import importlib
 
-    from jaxsora.config_files import register_configs_package
+    from jaxsora.config_files import own_configs_folder, register_configs_package
 
-    path = os.path.join(jaxsora_configs_dir(), "base.py")
-    if not os.path.isfile(path):
-        raise ConfigError(f"jaxsora's configs/base.py is not at {path}: an Open-Sora config is read on top of it "
-                          "(run from a jaxsora checkout)")
+    folder = own_configs_folder()
+    if folder is None:
+        raise ConfigError("jaxsora's configs/base.py is not beside this jaxsora package: an Open-Sora config is read "
+                          "on top of it (run from a jaxsora checkout)")
+    path = os.path.join(folder, "base.py")
     register_configs_package(path)
     return importlib.import_module("configs.base").get_config()
 
