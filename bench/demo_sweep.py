@@ -110,6 +110,18 @@ VARIANTS = {
     "loc2-seed3": (["--seed", "3"], ["c.scheduler.loc = 2.0", "c.train.seed = 3"], 1200),
     # the learning rate anneals (cosine) to 2e-5 by the last step, on the demo's set
     "cosine-now": ([], [COSINE], 1200),
+    # The circle (demo at loc 1.5): its samples are ovals long across their motion from the first sampling step
+    # on, and the checkpoints' samples got rounder from step 800 to 1,200 (circle elongation 1.28 -> 1.18): more
+    # steps, within the 10-minute budget; more stills (a 1-frame step costs a third of an 8-frame one and shows 8
+    # shapes unmoved)
+    "steps1600": ([], [], 1600),
+    "images96": (["--num-images", "96"], [], 1200),
+    "images96-1600": (["--num-images", "96"], [], 1600),
+    # as many stills as clips: a third of the steps are 1-frame steps, so 1,600 steps cost about what the demo's
+    # 1,200 do
+    "images240-1600": (["--num-images", "240"], [], 1600),
+    "images240-1600-seed3": (["--num-images", "240", "--seed", "3"], ["c.train.seed = 3"], 1600),
+    "images240-2000": (["--num-images", "240"], [], 2000),
 }
 
 

@@ -9,7 +9,7 @@ width, aspect_ratio = H/W, resolution = H·W, fps). Twelve (colour, shape, direc
 are never shown (`HELD_OUT`); `DIR/prompts.txt` lists their captions, to sample with and judge
 (`python -m data_tools.judge`): a model that follows them has learnt the words, not the captions.
 
-Presets: `--preset demo` (the CPU demo: 240 clips of 32×32 × 9 frames plus 16 images), `--preset tests`
+Presets: `--preset demo` (the CPU demo: 240 clips of 32×32 × 9 frames plus 240 images), `--preset tests`
 (a handful of tiny clips of several sizes, aspect ratios and lengths). Any preset value can be
 overridden (`--num-videos`, `--sizes 32x32,24x40`, `--frames 12,20`, ...); `--trail N` draws N fading
 copies behind each moving shape, so that every frame shows its direction. Files already in DIR with the
@@ -70,7 +70,10 @@ PRESETS = {
     # Shapes of radius 0.3 (10 px) crossing all their room (12 px) from within ±1 px of the centre (docs/demo.md:
     # at radius 0.2 and ±3.2 px the demo model drew a round blob for every shape word, shape 15/48 on the held-out
     # captions; with these, bars come out as bars, 27/48 — squares still do not, see bench/demo_probe.py).
-    "demo": dict(num_videos=240, num_images=16, sizes=[(32, 32)], frames=[9], fps=8, seed=0, radius=0.3,
+    # As many stills as clips (16 before): a still's training step costs a third of a clip's and shows 8 shapes
+    # unmoved. With 1,600 steps (configs/demo.py) circles came out as circles 7 and 10 times of 16 (seeds 0 and 3,
+    # guidance 4), 2 of 16 with 16 stills; docs/demo.md, "Circles".
+    "demo": dict(num_videos=240, num_images=240, sizes=[(32, 32)], frames=[9], fps=8, seed=0, radius=0.3,
                  travel=1.0, jitter=0.03),
     # Stage-config sizes (240p / 144p landscape and portrait, clips long enough for the 51/102 buckets),
     # e.g. for `python -m jaxsora.train --config configs/stage1.py --data-path ... --dry-run`.

@@ -141,7 +141,7 @@ def test_no_two_samples_are_alike(dataset, tmp_path):
     removes nothing — and asking for more samples than a frame size holds is one clear error."""
     out, df = dataset
     digests = {hashlib.sha256((out / p).read_bytes()).hexdigest() for p in df.path}
-    assert len(digests) == len(df) == 256
+    assert len(digests) == len(df) == synthetic.PRESETS["demo"]["num_videos"] + synthetic.PRESETS["demo"]["num_images"]
     with pytest.raises(BadInput, match="could not draw 1000 distinct samples"):  # 18 captions, a few patterns each
         synthetic.generate(str(tmp_path), num_videos=0, num_images=1000, sizes=[(8, 8)], frames=[2], fps=8, seed=0,
                            progress=False)
@@ -152,11 +152,12 @@ def test_the_demo_set_draws_at_every_seed(tmp_path):
     often than it has patterns takes another caption: the demo preset draws at other seeds too (seeds 1-7 stopped at
     "could not draw 256 distinct samples" before), its samples distinct and none of the held-out captions."""
     held_out = {synthetic.caption(*c) for c in synthetic.HELD_OUT}
+    total = synthetic.PRESETS["demo"]["num_videos"] + synthetic.PRESETS["demo"]["num_images"]
     for seed in (1, 3):
         df = synthetic.generate(str(tmp_path / str(seed)), progress=False, **dict(synthetic.PRESETS["demo"], seed=seed))
-        assert len({hashlib.sha256((tmp_path / str(seed) / p).read_bytes()).hexdigest() for p in df.path}) == 256
+        assert len({hashlib.sha256((tmp_path / str(seed) / p).read_bytes()).hexdigest() for p in df.path}) == total
         assert not held_out & set(df.text)
-        assert df.text.str.contains("square").sum() > 256 // 5  # squares are not crowded out (a third: ~85)
+        assert df.text.str.contains("square").sum() > total // 5  # squares are not crowded out (a third of each)
 
 
 def test_parse_caption():
