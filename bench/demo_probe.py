@@ -20,10 +20,10 @@ estimate shows their shape, and the estimate's fit (elongation, disc, square; se
 is a round blob whatever the caption says, a sampler passing through that noise level gets no shape from it.
 
 With `--trace`, a third table follows a sampler instead: the held-out captions (DATA/prompts.txt, 4 seeds each)
-sampled as `jaxsora.sample` does (uniform steps, guidance `--cfg`), and at every third step the estimate of the clean
-clip judged as above, with how much longer than wide it is across its motion ("across": the square root of the
-piece's second moments across over along the motion; a bar is ~2, a disc 1). It shows at which step a sample's
-shape is decided (for the demo: the first) and what it is then.
+sampled by the sampler's own steps (uniform; the run's guidance unless `--cfg`), and at every third step the
+estimate of the clean clip judged as above, with how much longer than wide it is across its motion ("across": the
+square root of the piece's second moments across over along the motion; a bar is ~2, a disc 1). It shows at which
+step a sample's shape is decided and what it is then.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--t", default="300,500,700,850,950", help="model timesteps (0..1000)")
     ap.add_argument("--no-ema", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also follow the sampler on DATA/prompts.txt (third table)")
-    ap.add_argument("--cfg", type=float, default=4.0, help="--trace's guidance scale (the demo samples at 4)")
+    ap.add_argument("--cfg", type=float, help="--trace's guidance scale (default: the run's sample.cfg_scale)")
     ap.add_argument("--steps", type=int, default=30, help="--trace's sampling steps")
     args = ap.parse_args(argv)
 
@@ -128,60 +128,60 @@ def main(argv=None) -> int:
 
 
 def _across(frames: np.ndarray, direction: str | None) -> float:
-    """frames [T, H, W, 3] → the median over frames of the foreground's largest piece's extent across the motion
-    over its extent along it (square root of the second moments' ratio; rolled to its centroid as the judge does)."""
-    from scipy import ndimage
+    """frames [T, H, W, 3] → the median over frames of the judge's largest foreground piece's extent across the
+    motion over its extent along it (the square root of its second moments' ratio)."""
+    from data_tools import judge
 
-    from data_tools.judge import BACKGROUND, FOREGROUND_DISTANCE
-
+    fg = judge.background_distance(frames) > judge.FOREGROUND_DISTANCE
+    fg = fg[fg.sum(axis=(1, 2)) >= judge.MIN_FOREGROUND_PIXELS]
+    if not len(fg):
+        return 1.0
+    cy, cx = judge._circular_centroid(fg, axis=1), judge._circular_centroid(fg, axis=2)
     ratios = []
-    for f in np.asarray(frames, np.float32):
-        fg = np.linalg.norm(f - np.asarray(BACKGROUND, np.float32), axis=-1) > FOREGROUND_DISTANCE
-        labels, n = ndimage.label(fg)
-        if not n:
-            continue
-        piece = labels == 1 + int(np.argmax(np.bincount(labels.ravel())[1:]))
+    for piece in (judge.largest_piece(*a) for a in zip(fg, cy, cx)):
         ys, xs = np.nonzero(piece)
-        if len(ys) >= 6 and np.ptp(ys) < fg.shape[0] - 1 and np.ptp(xs) < fg.shape[1] - 1:  # not split by a border
-            ratios.append(np.sqrt(ys.var() / max(xs.var(), 1e-6)))
-    r = float(np.median(ratios)) if ratios else 1.0
+        ratios.append(np.sqrt(ys.var() / max(xs.var(), 1e-6)))
+    r = float(np.median(ratios))
     return r if direction in ("left", "right") else 1.0 / r  # a horizontal motion: across is the vertical
 
 
-def trace(pipe, model, prompts_path: str, *, cfg: float, steps: int, seeds: int = 4) -> None:
-    """The third table (module docstring): the sampler's estimate of the clean clip, judged every third step."""
+def trace(pipe, model, prompts_path: str, *, cfg: float | None, steps: int, seeds: int = 4) -> None:
+    """The third table (module docstring): the sampler's estimate of the clean clip, judged every third step.
+    Each step is `rflow.sample_steps` itself (one step at a time); its velocity is read back from the step it
+    took, v = (z_next − z) / Δt, and the estimate is z + t/1000 · v."""
     import jax
     import jax.numpy as jnp
 
     from data_tools.judge import judge_frames, parse_caption
     from jaxsora.diffusion import rflow
 
+    sample = pipe.run_config["sample"]
+    cfg = float(sample["cfg_scale"]) if cfg is None else cfg
     with open(prompts_path) as f:
         texts = [line.strip() for line in f if line.strip() for _ in range(seeds)]
     b = len(texts)
+    frames, h, w = (int(sample[k]) for k in ("num_frames", "height", "width"))
     y, m = (jnp.asarray(a) for a in pipe.text_encoder.encode(texts))
-    null_y = jnp.broadcast_to(model.y_embedder.y_embedding[...][None, None, : y.shape[2]], y.shape)
-    frames, h, w = (int(pipe.run_config["sample"][k]) for k in ("num_frames", "height", "width"))
+    cond = dict(y=y, mask=m, fps=jnp.full((b,), float(sample["fps"])), height=jnp.full((b,), float(h)),
+                width=jnp.full((b,), float(w)))
     latent = pipe.encode_video(np.zeros((1, 3, frames, h, w), np.float32)).shape[1:]  # [C, T, h, w]
     z = jax.random.normal(jax.random.PRNGKey(0), (b, *latent))
-    size = dict(fps=jnp.full((2 * b,), 8.0), height=jnp.full((2 * b,), float(h)), width=jnp.full((2 * b,), float(w)))
-    ts = np.asarray(rflow.sampling_timesteps(steps, h, w, frames, use_timestep_transform=False))[:, 0]
-
-    @jax.jit
-    def velocity(z, t):  # classifier-free guidance as rflow.sample_steps: uncond + s·(cond − uncond)
-        out = model(jnp.concatenate([z, z]), jnp.full((2 * b,), t), y=jnp.concatenate([y, null_y]),
-                    mask=jnp.concatenate([m, m]), **size)[:, : z.shape[1]]
-        return out[b:] + cfg * (out[:b] - out[b:])
+    carry, cond2 = rflow.sample_init(z, cond, model.y_embedder.y_embedding[...][: y.shape[-2]])
+    ts = rflow.sampling_timesteps(steps, jnp.full((b,), h), w, frames, use_timestep_transform=False)  # [steps, B]
+    dts = np.append(ts[:-1, 0] - ts[1:, 0], ts[-1, 0]) / 1000  # what sample_steps steps by; the last to 0
+    step = jax.jit(lambda carry, i: rflow.sample_steps(model, carry, cond2, None, ts, cfg_scale=cfg, start=i,
+                                                       stop=i + 1))
 
     caps = [parse_caption(s) for s in texts]
     shapes = [s for s in ("circle", "square", "bar") if any(c["shape"] == s for c in caps)]
     print(f"\nsampling {b} videos (prompts.txt x {seeds} seeds, guidance {cfg}, {steps} steps): the estimate of the "
           "clean clip per step, per shape clips showing it / clips, mean (elongation, disc, square) and across")
     print(f"{'t':>6} " + " ".join(f"{s:>34}" for s in shapes))
-    for i, tv in enumerate(ts):
-        v = velocity(z, float(tv))
+    for i in range(steps):
+        nxt = step(carry, i)
         if i % 3 == 0 or i == steps - 1:
-            est = np.asarray(pipe.vae.decode(z + tv / 1000 * v, frames))
+            z, tv = carry[0], float(ts[i, 0])
+            est = np.asarray(pipe.vae.decode(z + tv / 1000 * (nxt[0] - z) / dts[i], frames))
             video = np.clip(np.round((np.transpose(est, (0, 2, 3, 4, 1)) + 1) * 127.5), 0, 255)
             verdicts = [judge_frames(f) for f in video]
             cells = []
@@ -192,7 +192,7 @@ def trace(pipe, model, prompts_path: str, *, cfg: float, steps: int, seeds: int 
                 cells.append(f"{sum(verdicts[k].shape == s for k in idx)}/{len(idx)} ({fit[0]:.2f}, {fit[1]:.2f}, "
                              f"{fit[2]:.2f}) {across:.2f}")
             print(f"{tv:>6.1f} " + " ".join(f"{cell:>34}" for cell in cells))
-        z = z + v * (tv - (ts[i + 1] if i + 1 < steps else 0.0)) / 1000
+        carry = nxt
 
 
 if __name__ == "__main__":

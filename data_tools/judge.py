@@ -102,17 +102,29 @@ def _circular_centroid(fg: np.ndarray, axis: int) -> np.ndarray:
     return np.unwrap(np.arctan2(s, c)) * size / (2 * np.pi)
 
 
-def _fit(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float, float]:
-    """fg [H, W] bool (a frame's foreground, not empty), (cy, cx) its circular centroid → (elongation, fit to a
-    disc, fit to a square) of its largest 4-connected piece (see BAR_ELONGATION). The frame is first rolled so that
-    the centroid sits at its middle: a shape that the wrapping frame splits across a border is whole again."""
+def background_distance(frames: np.ndarray) -> np.ndarray:
+    """frames [T, H, W, 3] (uint8 or float in 0..255) → [T, H, W]: each pixel's RGB distance from the background
+    colour (foreground where > FOREGROUND_DISTANCE)."""
+    return np.linalg.norm(np.asarray(frames, np.float32) - np.asarray(BACKGROUND, np.float32), axis=-1)
+
+
+def largest_piece(fg: np.ndarray, cy: float, cx: float) -> np.ndarray:
+    """fg [H, W] bool (a frame's foreground, not empty), (cy, cx) its circular centroid → [H, W] bool: its largest
+    4-connected piece, the frame first rolled so that the centroid sits at its middle (a shape that the wrapping
+    frame splits across a border is whole again)."""
     from scipy import ndimage
 
     h, w = fg.shape
     fg = np.roll(fg, (int(round(h / 2 - cy % h)), int(round(w / 2 - cx % w))), axis=(0, 1))
     labels, n = ndimage.label(fg)
-    if n > 1:
-        fg = labels == 1 + int(np.argmax(np.bincount(labels.ravel())[1:]))
+    return labels == 1 + int(np.argmax(np.bincount(labels.ravel())[1:])) if n > 1 else fg
+
+
+def _fit(fg: np.ndarray, cy: float, cx: float) -> tuple[float, float, float]:
+    """fg [H, W] bool (a frame's foreground, not empty), (cy, cx) its circular centroid → (elongation, fit to a
+    disc, fit to a square) of its `largest_piece` (see BAR_ELONGATION)."""
+    h, w = fg.shape
+    fg = largest_piece(fg, cy, cx)
     ys, xs = np.nonzero(fg)
     my, mx = ys.mean(), xs.mean()
     low, high = np.linalg.eigvalsh(np.cov(np.stack([ys, xs]).astype(np.float64))) if len(ys) > 1 else (0.0, 0.0)
@@ -145,7 +157,7 @@ def judge_frames(frames: np.ndarray) -> Verdict:
     if f.ndim != 4 or f.shape[-1] != 3:
         raise ValueError(f"expected frames [T, H, W, 3], got {f.shape}")
     t, h, w, _ = f.shape
-    dist = np.linalg.norm(f - np.asarray(BACKGROUND, np.float32), axis=-1)  # [T, H, W]
+    dist = background_distance(f)  # [T, H, W]
     fg = dist > FOREGROUND_DISTANCE
     if not fg.any():
         return Verdict(None, "none", (0.0, 0.0))
