@@ -105,7 +105,7 @@ def get_config():
     c.optim = mlc.ConfigDict(dict(
         lr=1e-4, betas=(0.9, 0.999), eps=1e-15, weight_decay=0.0, grad_clip=1.0,
         lr_schedule="linear_warmup", warmup_steps=1000,
-        min_lr=0.0, max_lr=0.0, cooldown_steps=0, anneal_strategy="cos",
+        min_lr=0.0, max_lr=0.0, cooldown_steps=0, anneal_strategy="cos", decay_start=0,
         ema_decay=0.99,
     ))
     # Params, grads, EMA and Adam moments sharded over every device (Open-Sora 1.2 runs ColossalAI

@@ -71,8 +71,9 @@ PRESETS = {
     # at radius 0.2 and ±3.2 px the demo model drew a round blob for every shape word, shape 15/48 on the held-out
     # captions; with these, bars come out as bars, 27/48 — squares still do not, see bench/demo_probe.py).
     # As many stills as clips (16 before): a still's training step costs a third of a clip's and shows 8 shapes
-    # unmoved. With 1,600 steps (configs/demo.py) circles came out as circles 7 and 10 times of 16 (seeds 0 and 3,
-    # guidance 4), 2 of 16 with 16 stills; docs/demo.md, "Circles".
+    # unmoved. Of the 240, 192 are circles: a square or a bar near the centre has 4 pixel patterns per colour, and
+    # no two samples are alike (`generate`'s distinct). With 1,600 steps circles came out as circles 7 and 10 times
+    # of 16 (seeds 0 and 3, guidance 4), 2 of 16 with 16 stills; docs/demo.md, "Circles".
     "demo": dict(num_videos=240, num_images=240, sizes=[(32, 32)], frames=[9], fps=8, seed=0, radius=0.3,
                  travel=1.0, jitter=0.03),
     # Stage-config sizes (240p / 144p landscape and portrait, clips long enough for the 51/102 buckets),

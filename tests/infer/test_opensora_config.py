@@ -69,11 +69,11 @@ def test_flags_win_over_the_file_and_edited_copies(tmp_path):
 
 
 def test_a_jaxsora_config_in_the_same_place():
-    """configs/demo.py given to the sampler: its VAE, text encoder and sample section (32×32, 8 frames, cfg 3)."""
+    """configs/demo.py given to the sampler: its VAE, text encoder and sample section (32×32, 8 frames, cfg 2)."""
     args, defaults, s = _settings([str(REPO / "configs" / "demo.py"), "--ckpt-path", "x", "--prompt", "p"])
     assert args.vae == {"kind": "identity", "downsample": (1, 2, 2)} and args.text_encoder["kind"] == "tiny"
     r = s.validate()
-    assert (r.height, r.width, r.num_frames, s.cfg_scale) == (32, 32, 8, 3.0)
+    assert (r.height, r.width, r.num_frames, s.cfg_scale) == (32, 32, 8, 2.0)
     assert defaults.use_timestep_transform is False
 
 

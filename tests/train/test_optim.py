@@ -2,6 +2,7 @@
 equals a hand-written one, clipping, EMA, frozen parameters."""
 import importlib
 import math
+import os
 import re
 
 import jax
@@ -16,6 +17,8 @@ from jaxsora.models.presets import get_model_config
 from jaxsora.models.stdit3 import STDiT3
 from jaxsora.train.step.optim import AdamW, ema_update, lr_schedule
 from jaxsora.train.step.state import split_model
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def test_linear_warmup_formula():
@@ -40,6 +43,55 @@ def test_one_cycle_formula(anneal):
             ref = lo + (hi - lo) * k / w if k < w else hi + (fin - hi) * (k - w) / d if k < w + d else fin
         assert float(f(k)) == pytest.approx(ref, rel=1e-5), k
     assert float(f(0)) == pytest.approx(lo)  # construction steps once at k = 0 → min
+
+
+@pytest.mark.parametrize("anneal", ["cos", "linear"])
+def test_warmup_stable_decay_formula(anneal):
+    cfg = dict(lr=2e-3, lr_schedule="warmup_stable_decay", warmup_steps=100, decay_start=1500, cooldown_steps=500,
+               min_lr=2e-5, anneal_strategy=anneal)
+    f = lr_schedule(cfg)
+    hi, lo = 2e-3, 2e-5
+    for k in (0, 50, 99, 100, 800, 1499, 1500, 1501, 1750, 1999, 2000, 2500):
+        if k < 100:
+            ref = hi * (k + 1) / 101  # as linear_warmup
+        elif k < 1500:
+            ref = hi
+        elif k < 2000:
+            frac = (k - 1500) / 500
+            ref = hi + (lo - hi) * frac if anneal == "linear" else lo + (hi - lo) / 2 * (math.cos(math.pi * frac) + 1)
+        else:
+            ref = lo
+        assert float(f(k)) == pytest.approx(ref, rel=1e-5), k
+    # a decay_start inside the warm-up: the decay starts when the warm-up ends; no cooldown: min_lr from decay_start
+    early = lr_schedule({**cfg, "decay_start": 50})
+    assert float(early(99)) == pytest.approx(hi * 100 / 101) and float(early(100)) == pytest.approx(hi)
+    assert float(early(600)) == pytest.approx(lo, rel=1e-5)
+    sudden = lr_schedule({**cfg, "cooldown_steps": 0})
+    assert float(sudden(1499)) == pytest.approx(hi) and float(sudden(1500)) == pytest.approx(lo, rel=1e-5)
+
+
+def test_demo_decay_ends_with_the_run():
+    """configs/demo.py decays the lr over the run's last quarter, also when --config.train.max_steps changes the
+    run's length (optim.decay_start and cooldown_steps are references to it), also a run of a few steps (the
+    tests' and the README walk's), and the flag's value reaches the printed config."""
+    import subprocess
+    import sys
+
+    from configs import demo
+
+    c = demo.get_config()
+    assert (c.train.max_steps, c.optim.decay_start, c.optim.cooldown_steps) == (2000, 1500, 500)
+    c.train.max_steps = 3000
+    f = lr_schedule(c.optim)
+    assert float(f(2249)) == pytest.approx(2e-3) and float(f(2999)) == pytest.approx(2e-5, rel=0.2)
+    assert {k: c.to_dict()["optim"][k] for k in ("decay_start", "cooldown_steps")} == {
+        "decay_start": 2250, "cooldown_steps": 750}  # what a run stores
+    c.train.max_steps = 2
+    assert float(lr_schedule(c.optim)(1)) == pytest.approx(2e-3 * 2 / 101)  # still warming up
+    r = subprocess.run([sys.executable, "-m", "jaxsora.train", "--config", "configs/demo.py", "--dry-run",
+                        "--config.train.max_steps=3000", "--data-path", "no-such-table.csv"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "optim.decay_start = 2250" in r.stdout, r.stdout + r.stderr
 
 
 def test_lambda_stage_configs():

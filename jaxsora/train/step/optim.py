@@ -9,6 +9,9 @@
   - "linear_warmup" (LinearWarmupLR): lr·(k+1)/(W+1) for k < W, then lr;
   - "1cycle" (Lambda OneCycleScheduler, cos or linear anneal): min→max over W steps, max→final
     (= lr) over D steps, then final. Its construction steps once at k = 0, so step 0 uses min.
+  - "warmup_stable_decay" (jaxsora's; the CPU demo): "linear_warmup" until step S = decay_start (or the
+    warm-up's end, if later), then lr→min_lr over D = cooldown_steps (cos or linear, as "1cycle"), then
+    min_lr (D = 0: min_lr from S on).
 * EMA (decay 0.99 in every 1.2 config) of the trainable parameters, in float32, updated every
   step after the optimizer step, starting from the initial parameters.
 
@@ -39,17 +42,29 @@ def lr_schedule(optim_cfg) -> optax.Schedule:
             k = jnp.asarray(k, jnp.float32)
             return jnp.where(k < warmup, base * (k + 1) / (warmup + 1), base)
         return sched
+    linear = optim_cfg.get("anneal_strategy", "cos") == "linear"
+
+    def anneal(start, end, frac):
+        if linear:
+            return start + (end - start) * frac
+        return end + (start - end) / 2 * (jnp.cos(math.pi * frac) + 1)
+
+    if kind == "warmup_stable_decay":
+        start = max(int(optim_cfg.get("decay_start") or 0), warmup)  # a run shorter than its warm-up plus decay
+        down = int(optim_cfg.get("cooldown_steps") or 0)
+        low = float(optim_cfg.get("min_lr") or 0.0)
+
+        def sched(k):
+            k = jnp.asarray(k, jnp.float32)
+            up = base * (k + 1) / (warmup + 1)
+            dn = anneal(base, low, jnp.clip((k - start) / down, 0, 1)) if down else jnp.asarray(low, jnp.float32)
+            return jnp.where(k < warmup, up, jnp.where(k < start, base, dn))
+        return sched
     if kind == "1cycle":
         lo, hi = float(optim_cfg["min_lr"]), float(optim_cfg["max_lr"])
         down = int(optim_cfg.get("cooldown_steps") or 0)
-        linear = optim_cfg.get("anneal_strategy", "cos") == "linear"
         if warmup <= 0:
             raise ValueError("optim.lr_schedule='1cycle' needs optim.warmup_steps > 0")
-
-        def anneal(start, end, frac):
-            if linear:
-                return start + (end - start) * frac
-            return end + (start - end) / 2 * (jnp.cos(math.pi * frac) + 1)
 
         def sched(k):
             k = jnp.asarray(k, jnp.float32)
@@ -57,7 +72,7 @@ def lr_schedule(optim_cfg) -> optax.Schedule:
             dn = anneal(hi, base, jnp.clip((k - warmup) / max(down, 1), 0, 1))
             return jnp.where(k < warmup, up, jnp.where(k < warmup + down, dn, base))
         return sched
-    raise ValueError(f"optim.lr_schedule must be constant, linear_warmup or 1cycle, got {kind!r}")
+    raise ValueError(f"optim.lr_schedule must be constant, linear_warmup, 1cycle or warmup_stable_decay, got {kind!r}")
 
 
 @dataclasses.dataclass(frozen=True)
