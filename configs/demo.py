@@ -19,7 +19,7 @@ What differs from a stage config, and why (each measured on the demo set; docs/d
 - `mask_ratios`: more frame-conditioning masks than stage 1 (first, last or random frames given),
   which is where a model learns that motion continues one way in time.
 - lr 2e-3 (100 warmup steps), held for three quarters of the run, then down linearly to 2e-5 at the last step
-  (`warmup_stable_decay`); 2,000 steps (~8.7 minutes on 2 CPU cores at their best, 12-14 when the host is
+  (`warmup_stable_decay`); 2,000 steps (~8.7 minutes on 2 CPU cores at their best, 11-14 when the host is
   busy: a third of them are the set's stills, at a third of a clip's cost), EMA 0.99.
 
 The set is what makes the direction learnable in that budget (data_tools/synthetic.py, START): every
