@@ -37,11 +37,13 @@ def lr_schedule(optim_cfg) -> optax.Schedule:
     warmup = int(optim_cfg.get("warmup_steps") or 0)
     if kind == "constant" or (kind == "linear_warmup" and warmup == 0):
         return lambda k: jnp.asarray(base, jnp.float32)
+
+    def warmed(k):  # "linear_warmup"
+        k = jnp.asarray(k, jnp.float32)
+        return jnp.where(k < warmup, base * (k + 1) / (warmup + 1), base)
+
     if kind == "linear_warmup":
-        def sched(k):
-            k = jnp.asarray(k, jnp.float32)
-            return jnp.where(k < warmup, base * (k + 1) / (warmup + 1), base)
-        return sched
+        return warmed
     linear = optim_cfg.get("anneal_strategy", "cos") == "linear"
 
     def anneal(start, end, frac):
@@ -56,9 +58,8 @@ def lr_schedule(optim_cfg) -> optax.Schedule:
 
         def sched(k):
             k = jnp.asarray(k, jnp.float32)
-            up = base * (k + 1) / (warmup + 1)
             dn = anneal(base, low, jnp.clip((k - start) / down, 0, 1)) if down else jnp.asarray(low, jnp.float32)
-            return jnp.where(k < warmup, up, jnp.where(k < start, base, dn))
+            return jnp.where(k < start, warmed(k), dn)
         return sched
     if kind == "1cycle":
         lo, hi = float(optim_cfg["min_lr"]), float(optim_cfg["max_lr"])
