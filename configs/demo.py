@@ -19,8 +19,8 @@ What differs from a stage config, and why (each measured on the demo set; docs/d
 - `mask_ratios`: more frame-conditioning masks than stage 1 (first, last or random frames given),
   which is where a model learns that motion continues one way in time.
 - lr 2e-3 (100 warmup steps), held for three quarters of the run, then down linearly to 2e-5 at the last step
-  (`warmup_stable_decay`); 2,000 steps (~8.7 minutes on 2 CPU cores at their best, 11-14 when the host is
-  busy: a third of them are the set's stills, at a third of a clip's cost), EMA 0.99.
+  (`warmup_stable_decay`); 2,000 steps (7.2 minutes of training on a fresh 2-core machine, 11-14 when the
+  host is busy: a third of them are the set's stills, at a third of a clip's cost), EMA 0.99.
 
 The set is what makes the direction learnable in that budget (data_tools/synthetic.py, START): every
 clip's shape starts near the centre, so its first frame says nothing of where it goes, while where it is
@@ -31,7 +31,7 @@ demo trains mostly at high noise, where the best guess of a clip is its shape av
 and that spread had rounded every shape off. Now bars and squares come out as asked. Circles, the shape a
 half-learnt sample loses first (a circle hedged toward a square or a bar reads as neither), came from training
 longer and ending it at a low learning rate: 1,600 steps at a constant 2e-3 drew circles for 4-11 of 16 held-out
-circle prompts over four runs, 2,000 steps with the decay 13-16 over four seeds and 11 and 14 in two fresh
+circle prompts over four runs, 2,000 steps with the decay 13-16 over four seeds and 11-14 in fresh
 make demo runs (docs/demo.md, "Circles over seeds").
 """
 from configs import base
