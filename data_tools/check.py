@@ -136,12 +136,11 @@ def _check(args) -> int:
     output = stream.shard_output(args.output, shard) if args.shard else args.output
     for path in (output, dropped_path(output)):
         stream.check_output(path, args.overwrite)
-    progress_bars = not args.no_progress
-    first, end, rows = stream.shard_rows(files, shard, args.chunk_size, progress=progress_bars)
     header = dict(tool=f"data_tools.{PROG}", version=PROGRESS_VERSION,
-                  input=[[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files], rows=[first, end])
+                  input=[[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files], shard=list(shard))
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    progress = Progress(progress_path(output), header)
+    progress = Progress(progress_path(output), header)  # (the part's rows follow from the table and the shard)
+    first, end, rows = stream.shard_rows(files, shard, args.chunk_size, progress=not args.no_progress)
     part = f" part {shard[0]}/{shard[1]}: rows {first}–{end - 1} of {rows}" if args.shard else f" {rows} rows"
     resumed = f"; {len(progress.done)} checked before, going on" if progress.done else ""
     print(f"{args.input}{part}{resumed}", flush=True)
@@ -150,8 +149,8 @@ def _check(args) -> int:
     try:
         checked, frames = _run(args, files, first, end, progress)
     except (KeyboardInterrupt, Stop):
-        print(f"{PROG}: stopped with {len(progress.done)} of {end - first} clips checked; the same command goes on "
-              f"from there", file=sys.stderr, flush=True)
+        print(f"data_tools.{PROG}: stopped with {len(progress.done)} of {end - first} clips checked; the same command "
+              f"goes on from there", file=sys.stderr, flush=True)
         return EXIT_STOPPED
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -15,7 +15,11 @@ import math
 import os
 import re
 
+import av
+import av.logging
 import numpy as np
+
+from jaxsora.data.video import DecodeError, is_video, load_sample, open_source, quarter_turns
 
 # The size check_clip converts frames to: the loader's conversion runs (scale to cover, crop) at the
 # least cost; its swscale pass reads every source pixel whatever the output size.
@@ -24,14 +28,10 @@ CHECK_SIZE = 16
 
 def probe(path: str) -> dict:
     """{num_frames, height, width, fps, file_size} or {error}."""
-    from jaxsora.data.video import DecodeError, is_video, open_source, quarter_turns
-
     try:
         with open_source(path) as src:
             size = os.path.getsize(src) if isinstance(src, str) else src.seek(0, os.SEEK_END)
             if is_video(path):
-                import av
-
                 if not isinstance(src, str):
                     src.seek(0)
                 with av.open(src) as c:
@@ -78,11 +78,6 @@ def probe(path: str) -> dict:
 
 def check_clip(path: str, num_frames: int) -> str:
     """'' when every frame of the clip decodes as training reads it, else the reason it does not."""
-    import av
-    import av.logging
-
-    from jaxsora.data.video import DecodeError, is_video, load_sample
-
     av.logging.set_level(av.logging.ERROR)  # FFmpeg's errors reach the Capture below (`ffmpeg -v error`)
     video = is_video(path)
     listed = 0
@@ -116,10 +111,6 @@ def check_clip(path: str, num_frames: int) -> str:
 
 def _listed_frames(path: str) -> int:
     """The frame count the clip's container lists (0: none)."""
-    import av
-
-    from jaxsora.data.video import open_source
-
     with open_source(path) as src, av.open(src) as c:
         return int(c.streams.video[0].frames or 0)
 
@@ -128,11 +119,6 @@ def _diagnose(path: str, num_frames: int, listed: int) -> str | None:
     """Decode the clip packet by packet and name the first thing that goes wrong: the data ending
     before the frames its container lists (truncated), an error of the demuxer or decoder, or fewer
     frames than the table's `num_frames`. None when it finds nothing."""
-    import av
-    import av.logging
-
-    from jaxsora.data.video import open_source
-
     with open_source(path) as src:
         if isinstance(src, str):
             size = os.path.getsize(src)

@@ -2,8 +2,9 @@
 
 `Workers(target, n)` starts `n` processes that each run `target` (a `"module:function"` name) on one
 task at a time. `run(tasks)` hands out `(key, args, seconds)` tasks and yields `(key, result)` in the
-order they finish. A task that has not returned within its seconds is cut off: its worker is killed
-with SIGKILL and replaced, and the task's result is a `Stalled`. A worker that dies during a task (a
+order they finish. A task's seconds count from when a worker that has imported its target receives
+it; a task that has not returned by then is cut off: its worker is killed with SIGKILL and replaced,
+and the task's result is a `Stalled`. A worker that dies during a task (a
 segfault in the decoder) gives a `Crashed`. Nothing else stops the run.
 
 Why processes and SIGKILL: a read that blocks on a hung network filesystem, or a decoder that never
@@ -88,12 +89,20 @@ class _Worker:
 class Workers:
     """`n` worker processes running `target` ("module:function"); see the module docstring."""
 
+    STARTUP_SECONDS = 300.0  # a worker that has not imported its target by then (an NFS home hanging) fails the run
+
     def __init__(self, target: str, n: int):
         if n < 1:
             raise ValueError(f"need at least one worker, got {n}")
         self.target = target
-        self._idle = [_Worker(target) for _ in range(n)]
+        self._starting = [self._start() for _ in range(n)]
+        self._idle: list[_Worker] = []
         self._busy: list[_Worker] = []
+
+    def _start(self) -> _Worker:
+        w = _Worker(self.target)
+        w.task = (None, time.monotonic() + self.STARTUP_SECONDS, self.STARTUP_SECONDS)
+        return w
 
     def __enter__(self):
         return self
@@ -106,18 +115,19 @@ class Workers:
         for w in self._idle:  # an idle worker ends when its pipe closes
             w.send.close()
             w.recv.close()
-        for w in self._busy:
+        for w in self._busy + self._starting:
             w.kill()
         for w in self._idle:
             try:
                 w.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 w.kill()
-        self._idle, self._busy = [], []
+        self._idle, self._busy, self._starting = [], [], []
 
     def run(self, tasks: Iterable[tuple]) -> Iterator[tuple]:
         """`(key, args, seconds)` tasks → `(key, result)` as they finish (a `Stalled` or `Crashed` result
-        for a task that did not return). Tasks are drawn from the iterable only as workers free up."""
+        for a task that did not return). Tasks are drawn from the iterable only as workers free up; a
+        task's seconds start when a worker that is ready (its target imported) receives it."""
         tasks = iter(tasks)
         more = True
         while True:
@@ -131,15 +141,26 @@ class Workers:
                 w.send.send(args)
                 w.task = (key, time.monotonic() + seconds, seconds)
                 self._busy.append(w)
-            if not self._busy:
+            if not self._busy and not (more and self._starting):
                 return
             yield from self._collect()
 
     def _collect(self) -> Iterator[tuple]:
+        waiting = self._busy + self._starting
+        timeout = max(0.0, min(w.task[1] for w in waiting) - time.monotonic())
+        ready = set(wait([w.recv for w in waiting], timeout=timeout))
         now = time.monotonic()
-        timeout = max(0.0, min(w.task[1] for w in self._busy) - now)
-        ready = set(wait([w.recv for w in self._busy], timeout=timeout))
-        now = time.monotonic()
+        for w in list(self._starting):
+            if w.recv in ready:
+                try:
+                    w.recv.recv()  # its first message: the target is imported
+                except (EOFError, OSError):
+                    raise RuntimeError(f"a worker process could not start {self.target} (exit code "
+                                       f"{w.proc.wait()}; its error is above)") from None
+                self._starting.remove(w)
+                self._idle.append(w)
+            elif now >= w.task[1]:
+                raise RuntimeError(f"a worker process did not start {self.target} within {self.STARTUP_SECONDS:g} s")
         for w in list(self._busy):
             key, deadline, seconds = w.task
             if w.recv in ready or (now >= deadline and w.recv.poll()):
@@ -155,7 +176,6 @@ class Workers:
                     self._replace(w)
                     yield key, Crashed(code)
                     continue
-                w.task = None
                 self._busy.remove(w)
                 self._idle.append(w)
                 yield key, result
@@ -166,7 +186,7 @@ class Workers:
     def _replace(self, w: _Worker) -> None:
         w.kill()
         self._busy.remove(w)
-        self._idle.append(_Worker(self.target))
+        self._starting.append(self._start())
 
 
 def _die_with_parent(parent: int) -> None:
@@ -190,6 +210,7 @@ def serve(target: str, read_fd: str, write_fd: str, parent: str) -> None:
     module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)
     recv, send = Connection(int(read_fd), writable=False), Connection(int(write_fd), readable=False)
+    send.send(None)  # ready: tasks' time limits start from here
     while True:
         try:
             args = recv.recv()
