@@ -132,7 +132,7 @@ def _check(args) -> int:
     if not files:
         raise BadInput(f"no table files in {args.input}")
     stream.require_columns(files, ["path", "num_frames"], "check (the clips and their frame counts)")
-    shard = args.shard or (0, 1)
+    shard = stream.shard_from_env() if args.shard == "auto" else args.shard or (0, 1)
     output = stream.shard_output(args.output, shard) if args.shard else args.output
     for path in (output, dropped_path(output)):
         stream.check_output(path, args.overwrite)

@@ -78,12 +78,13 @@ def probe(path: str) -> dict:
 
 def check_clip(path: str, num_frames: int) -> str:
     """'' when every frame of the clip decodes as training reads it, else the reason it does not."""
-    av.logging.set_level(av.logging.ERROR)  # FFmpeg's errors reach the Capture below (`ffmpeg -v error`)
+    av.logging.set_level(av.logging.ERROR)  # FFmpeg's errors reach the Captures (`ffmpeg -v error`), not stderr
     video = is_video(path)
     listed = 0
     if video:
         try:
-            listed = _listed_frames(path)
+            with av.logging.Capture(local=False):
+                listed = _listed_frames(path)
         except DecodeError as e:
             return _reason(e, path)
         except Exception as e:  # no video stream, a container FFmpeg cannot open

@@ -377,21 +377,28 @@ SHARD_ENV = (("JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "jaxsora.cluster launch"),
              ("SLURM_PROCID", "SLURM_NTASKS", "srun"))
 
 
-def parse_shard(spec: str) -> tuple[int, int]:
-    """`--shard K/N` (part K of N, counted from 0) → (K, N); `auto` reads them from the environment:
-    JAX_PROCESS_ID/JAX_NUM_PROCESSES (what `jaxsora.cluster launch` sets on each host), a SLURM job
-    array's task (SLURM_ARRAY_TASK_ID − SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT), or srun's
-    SLURM_PROCID/SLURM_NTASKS. For argparse's `type=`."""
-    if spec == "auto":
-        for k_name, n_name, what in SHARD_ENV:
-            if os.environ.get(k_name) and os.environ.get(n_name):
-                k, n = os.environ[k_name], os.environ[n_name]
+def parse_shard(spec: str) -> tuple[int, int] | str:
+    """`--shard K/N` (part K of N, counted from 0) → (K, N), or "auto" (`shard_from_env` reads them when
+    the command runs). For argparse's `type=`."""
+    return spec if spec == "auto" else _shard_numbers(spec, spec)
+
+
+def shard_from_env(environ=os.environ) -> tuple[int, int]:
+    """`--shard auto`: (K, N) from what the launcher set: JAX_PROCESS_ID/JAX_NUM_PROCESSES (`jaxsora.cluster
+    launch` on each host), a SLURM job array's task (SLURM_ARRAY_TASK_ID − SLURM_ARRAY_TASK_MIN of
+    SLURM_ARRAY_TASK_COUNT), or srun's SLURM_PROCID/SLURM_NTASKS."""
+    for k_name, n_name, what in SHARD_ENV:
+        if environ.get(k_name) and environ.get(n_name):
+            k, n = environ[k_name], environ[n_name]
+            shown = f"--shard auto ({what}: {k_name}={k}, {n_name}={n})"
+            try:
                 if k_name == "SLURM_ARRAY_TASK_ID":
-                    k = str(int(k) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0")))
-                return _shard_numbers(f"{k}/{n}", f"auto ({what}: {k_name}={os.environ[k_name]}, {n_name}={n})")
-        names = ", ".join(f"{k}/{n}" for k, n, _ in SHARD_ENV)
-        raise argparse.ArgumentTypeError(f"auto: none of {names} is set")
-    return _shard_numbers(spec, spec)
+                    k = str(int(k) - int(environ.get("SLURM_ARRAY_TASK_MIN", "0")))
+                return _shard_numbers(f"{k}/{n}", shown)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise BadInput(str(e)) from None
+    names = ", ".join(f"{k}/{n}" for k, n, _ in SHARD_ENV)
+    raise BadInput(f"--shard auto: none of {names} is set (give --shard K/N)")
 
 
 def _shard_numbers(spec: str, shown: str) -> tuple[int, int]:

@@ -10,7 +10,6 @@ import subprocess
 import time
 import uuid
 
-import av
 import numpy as np
 import pandas as pd
 import pytest
@@ -19,41 +18,11 @@ from data_tools import check, merge, meta, stream
 from data_tools import filter as filter_tool
 from data_tools.workers import Crashed, Stalled, Workers
 from tests.cluster.conftest import cluster, wait_for  # noqa: F401, F811  (cluster: the fake cluster fixture)
+from tests.data_tools.clips import corrupt, encode, truncate
 from tests.zygote import PYTHON
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["--no-progress"]
-
-
-def encode(path, n, h=48, w=64, seed=0, faststart=True):
-    """An h264 mp4 of `n` frames of moving texture (keyframe every 8; moov first with faststart, as
-    downloaded clips usually are, so a cut past the header leaves a readable index)."""
-    rng = np.random.default_rng(seed)
-    tex = rng.integers(0, 256, (h + n, w + n, 3), dtype=np.uint8)
-    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as c:
-        s = c.add_stream("libx264", rate=24)
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
-        s.options = {"crf": "28", "x264-params": "keyint=8:min-keyint=8:scenecut=0"}
-        for i in range(n):
-            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(tex[i:i + h, i:i + w]), format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return str(path)
-
-
-def truncate(path, keep=0.6):
-    """Cut the file's bytes at `keep` of its length: the header (and its frame index) stay."""
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[:int(len(data) * keep)])
-
-
-def corrupt(path):
-    """Overwrite 1.5 kB in the middle of the stream with fixed junk."""
-    data = bytearray(open(path, "rb").read())
-    mid = len(data) // 2
-    data[mid:mid + 1500] = np.random.default_rng(7).integers(0, 256, 1500, dtype=np.uint8).tobytes()
-    open(path, "wb").write(bytes(data))
 
 
 GOOD = [("g0.mp4", 24, 48, 64), ("g1.mp4", 40, 32, 48), ("g2.mp4", 12, 64, 96), ("g3.mp4", 30, 48, 64),
@@ -291,6 +260,8 @@ def test_meta_reads_openvid_and_miradata_tables_as_downloaded(clips, tmp_path, c
 
 def test_mistakes_are_one_line(clips, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    for name, *_ in stream.SHARD_ENV + tuple((n, None, None) for _, n, _ in stream.SHARD_ENV):
+        monkeypatch.delenv(name, raising=False)
     pd.DataFrame({"clip": ["a.mp4"], "words": ["x"]}).to_csv("odd.csv", index=False)
     table(tmp_path, [(str(clips / "g0.mp4"), 24, 48, 64)])
     pd.DataFrame({"video": ["a.mp4"], "caption": ["x"], "text": ["y"]}).to_csv("both.csv", index=False)
@@ -304,6 +275,7 @@ def test_mistakes_are_one_line(clips, tmp_path, monkeypatch, capsys):
         (check, ["--input", "t.csv", "--output", "o.csv", "--shard", "2/2"], "--shard"),
         (check, ["--input", "t.csv", "--output", "o.csv", "--shard", "x"], "expected K/N"),
         (check, ["--input", "t.csv", "--output", "o.csv", "--time-limit", "0"], "--time-limit"),
+        (check, ["--input", "t.csv", "--output", "o.csv", "--shard", "auto"], "--shard auto: none of JAX_PROCESS_ID"),
         (filter_tool, ["--input", "t.csv", "--output", "o.csv", "--size-max", "50XB"], "'50XB' is not a size"),
         (filter_tool, ["--input", "t.csv", "--output", "o.csv", "--size-max", "50MB"], "no column 'file_size'"),
     ]
