@@ -20,6 +20,8 @@ upright. Files that cannot be read are listed in `<output>.unreadable.csv` (path
 out of the output — never a crash. Each file is read in a worker process (one per core), with a time
 limit (`--time-limit`): a read that hangs (a hung network mount) is cut off and listed as stalled.
 
+Many hosts: `--shard K/N` (or `auto`) reads part K of N, as `data_tools.check` does (see there).
+
 The input may be a folder or glob of shards, written out as one table; it streams (`--chunk-size`
 rows at a time). Relative paths are rewritten to resolve from the output's folder. An existing
 output (or sidecar) is refused unless `--overwrite`.
@@ -67,6 +69,9 @@ def main(argv=None) -> int:
                     help="processes reading files (default: the cores this process may use, %(default)s here)")
     ap.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
                     help="the longest one file may take; a file that takes longer is listed as stalled")
+    ap.add_argument("--shard", type=stream.parse_shard, default=None, metavar="K/N",
+                    help="read part K of N of the table (0 ≤ K < N, the parts data_tools.check makes), or `auto` "
+                    "(from jaxsora.cluster launch or SLURM); writes <output stem>_KKKK-of-NNNN<ext> (default: all)")
     args = stream.parse_args(ap, argv)
     return stream.run(PROG, lambda: _meta(args), argv)
 
@@ -87,10 +92,14 @@ def _meta(args) -> int:
         if not os.path.isdir(args.root):
             raise BadInput(f"--root {args.root}: no such folder")
         root = args.root if os.path.isabs(args.root) else os.path.abspath(args.root)
-    sidecar = sidecar_path(args.output)
-    for path in (args.output, sidecar):  # both refused before any work
+    shard = stream.shard_from_env() if args.shard == "auto" else args.shard or (0, 1)
+    output = stream.shard_output(args.output, shard) if args.shard else args.output
+    sidecar = sidecar_path(output)
+    for path in (output, sidecar):  # both refused before any work
         stream.check_output(path, args.overwrite)
-    total = sum(stream.count_rows(files, args.chunk_size, progress=not args.no_progress))
+    first, end, rows = stream.shard_rows(files, shard, args.chunk_size, progress=not args.no_progress)
+    if args.shard:
+        print(f"{args.input} part {shard[0]}/{shard[1]}: rows {first}–{end - 1} of {rows}")
     columns = [renames.get(c, c) for c in in_columns]
     columns += [c for c in COLUMNS if c not in columns]
     from tqdm.auto import tqdm
@@ -100,12 +109,17 @@ def _meta(args) -> int:
         print(f"{args.input}: {layout.title}'s layout ({named})")
     empty_captions = 0
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(stream.TableWriter(args.output, columns, args.overwrite))
+        out = stack.enter_context(stream.TableWriter(output, columns, args.overwrite))
         bad = stack.enter_context(stream.TableWriter(sidecar, ["path", "reason"], args.overwrite))
         workers = stack.enter_context(Workers("data_tools.reading:probe", args.num_workers))
-        bar = stack.enter_context(tqdm(total=total, desc=PROG, unit="file", file=sys.stderr,
+        bar = stack.enter_context(tqdm(total=end - first, desc=PROG, unit="file", file=sys.stderr,
                                        disable=args.no_progress, dynamic_ncols=True))
         for chunk in stream.iter_chunks(files, args.chunk_size, progress=False):
+            lo, hi = max(first, chunk.start), min(end, chunk.start + len(chunk.df))
+            if lo >= hi:
+                continue
+            if (lo, hi) != (chunk.start, chunk.start + len(chunk.df)):  # the part's rows of this chunk
+                chunk = dataclasses.replace(chunk, df=chunk.df.iloc[lo - chunk.start:hi - chunk.start])
             df = _rooted(chunk.df.rename(columns=renames), args.root, root, chunk.base)
             text = df["text"].fillna("").astype(str).str.strip()
             captioned = (text != "").to_numpy()

@@ -251,6 +251,11 @@ def test_meta_reads_openvid_and_miradata_tables_as_downloaded(clips, tmp_path, c
     assert got["short_caption"].tolist() == ["short one", "short two", "short three"]  # the others kept
     assert got["width"].tolist() == [64, 48, 96] and (got["frame_number"] == 2160).all()  # measured; theirs kept
     assert got["path"].tolist() == [f"miradata/000000000001/{g[0]}" for g in GOOD[:3]]
+    for k in range(2):  # on two hosts: the parts merged are the table
+        assert meta.main(["--input", "miradata_v1_330k.csv", "--root", "miradata", "--output", "parts/mira.csv",
+                          "--shard", f"{k}/2", "--num-workers", "1", *QUIET]) == 0
+    assert merge.main(["--input", "parts/mira_*-of-0002.csv", "--output", "mira_merged.csv", *QUIET]) == 0
+    assert open("mira_merged.csv").read() == open("mira.csv").read()
     assert meta.main(["--input", "miradata_v1_330k.csv", "--root", str(tmp_path / "miradata"), "--caption",
                       "short_caption", "--output", "mira_short.csv", "--num-workers", "1", *QUIET]) == 0
     got = pd.read_csv("mira_short.csv")
