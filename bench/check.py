@@ -158,8 +158,8 @@ def main(argv=None) -> int:
         measure(clips[:1], 1)  # warm: imports, page cache
         results[res] = (measure(clips, args.rounds), mbit)
 
-    print(f"\nper core (frames per CPU second, {args.rounds} rounds: min–max), {args.clips} clips of {args.seconds:g} s at "
-          f"{args.fps} fps per size")
+    print(f"\nper core (frames per CPU second, {args.rounds} rounds: min–max), {args.clips} clips of "
+          f"{args.seconds:g} s at {args.fps} fps per size")
     print(f"{'source':<22}" + "".join(f"{m:>14}" for m in METHODS) + f"{'check ÷ decode':>16}")
     for res, (rates, mbit) in results.items():
         ratio = [c / d for c, d in zip(rates["check"], rates["decode"])]
