@@ -4,7 +4,7 @@ frame of every clip as training reads them; keep the clips that decode cleanly.
 Each clip is decoded with `jaxsora.data.video.load_sample` (the loader's own reading path), all its
 frames, in a worker process, one per core (`--num-workers`). A clip is kept when every frame it
 should have decodes and FFmpeg logs no error (the rule of `ffmpeg -v error`, which the tutorial runs
-on every file). The others go to `<output>.dropped.csv` (their rows, with a `reason` first):
+on every file). The others go to `<output>.dropped.csv` (their rows, a `reason` after the `path`):
 
   missing file                              no file at the path
   unreadable: …                             empty, not a video FFmpeg can open, no video stream
@@ -42,8 +42,8 @@ import time
 import numpy as np
 
 from data_tools import stream
-from data_tools.workers import Workers, default_workers
-from jaxsora.errors import EXIT_STOPPED, BadInput, OutputExists
+from data_tools.workers import Workers
+from jaxsora.errors import EXIT_STOPPED, OutputExists
 
 PROG = "check"
 DEFAULT_TIME_LIMIT = 120.0  # seconds per 1,000 frames: 8 frames/s, several times slower than a core decodes 1080p
@@ -56,12 +56,7 @@ def main(argv=None) -> int:
                     "CSV/parquet file, folder or glob of shards")
     ap.add_argument("--output", required=True, help="the rows of the clips that decode (.csv or .parquet); the "
                     "others go to <output>.dropped.csv with their reason")
-    ap.add_argument("--shard", type=stream.parse_shard, default=None, metavar="K/N",
-                    help="check part K of N (0 ≤ K < N), or `auto` (from jaxsora.cluster launch or SLURM); writes "
-                    "<output stem>_KKKK-of-NNNN<ext> (default: the whole table)")
-    ap.add_argument("--num-workers", type=int, default=default_workers(),
-                    help="worker processes decoding clips (default: the cores this process may use, %(default)s "
-                    "here)")
+    stream.add_reading_flags(ap, "check")
     ap.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
                     help="seconds a clip may take per 1,000 of its frames, at least this long for any clip; a clip "
                     "that takes longer is dropped as stalled (default %(default)g)")
@@ -123,17 +118,8 @@ def _on_sigterm(signum, frame):
 
 
 def _check(args) -> int:
-    stream.check_chunk_size(args.chunk_size)
-    if args.num_workers < 1:
-        raise BadInput(f"--num-workers must be ≥ 1, got {args.num_workers}")
-    if not args.time_limit > 0:
-        raise BadInput(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
-    files = stream.input_files(args.input)
-    if not files:
-        raise BadInput(f"no table files in {args.input}")
-    stream.require_columns(files, ["path", "num_frames"], "check (the clips and their frame counts)")
-    shard = stream.shard_from_env() if args.shard == "auto" else args.shard or (0, 1)
-    output = stream.shard_output(args.output, shard) if args.shard else args.output
+    files, shard, output = stream.reading_tool_setup(args, ["path", "num_frames"],
+                                                     "check (the clips and their frame counts)")
     for path in (output, dropped_path(output)):
         stream.check_output(path, args.overwrite)
     header = dict(tool=f"data_tools.{PROG}", version=PROGRESS_VERSION,

@@ -38,7 +38,7 @@ import pandas as pd
 
 from data_tools import layouts, stream
 from data_tools.reading import probe  # noqa: F401  (meta.probe: what the workers run)
-from data_tools.workers import Workers, default_workers
+from data_tools.workers import Workers
 from jaxsora.errors import BadInput
 
 PROG = "meta"
@@ -65,26 +65,15 @@ def main(argv=None) -> int:
                     "the table's folder)")
     ap.add_argument("--caption", metavar="COLUMN", default=None,
                     help="the column that becomes `text` (default: the layout's: text, caption, dense_caption)")
-    ap.add_argument("--num-workers", type=int, default=default_workers(),
-                    help="processes reading files (default: the cores this process may use, %(default)s here)")
+    stream.add_reading_flags(ap, "read")
     ap.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
                     help="the longest one file may take; a file that takes longer is listed as stalled")
-    ap.add_argument("--shard", type=stream.parse_shard, default=None, metavar="K/N",
-                    help="read part K of N of the table (0 ≤ K < N, the parts data_tools.check makes), or `auto` "
-                    "(from jaxsora.cluster launch or SLURM); writes <output stem>_KKKK-of-NNNN<ext> (default: all)")
     args = stream.parse_args(ap, argv)
     return stream.run(PROG, lambda: _meta(args), argv)
 
 
 def _meta(args) -> int:
-    stream.check_chunk_size(args.chunk_size)
-    if args.num_workers < 1:
-        raise BadInput(f"--num-workers must be ≥ 1, got {args.num_workers}")
-    if not args.time_limit > 0:
-        raise BadInput(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
-    files = stream.input_files(args.input)
-    if not files:
-        raise BadInput(f"no table files in {args.input}")
+    files, shard, output = stream.reading_tool_setup(args)
     in_columns = stream.union_columns(files)
     layout, renames = layouts.resolve(args.layout, in_columns, args.caption)
     root = None
@@ -92,8 +81,6 @@ def _meta(args) -> int:
         if not os.path.isdir(args.root):
             raise BadInput(f"--root {args.root}: no such folder")
         root = args.root if os.path.isabs(args.root) else os.path.abspath(args.root)
-    shard = stream.shard_from_env() if args.shard == "auto" else args.shard or (0, 1)
-    output = stream.shard_output(args.output, shard) if args.shard else args.output
     sidecar = sidecar_path(output)
     for path in (output, sidecar):  # both refused before any work
         stream.check_output(path, args.overwrite)

@@ -419,6 +419,36 @@ def shard_output(path: str, shard: tuple[int, int]) -> str:
     return f"{stem}_{shard[0]:04d}-of-{shard[1]:04d}{ext}"
 
 
+def add_reading_flags(ap: argparse.ArgumentParser, verb: str) -> None:
+    """--shard and --num-workers of a tool that reads every file of a table in workers (`meta`, `check`);
+    `verb`: what it does to a part ("read", "check")."""
+    from data_tools.workers import default_workers
+
+    ap.add_argument("--shard", type=parse_shard, default=None, metavar="K/N",
+                    help=f"{verb} part K of N of the table (0 ≤ K < N), or `auto` (from jaxsora.cluster launch or "
+                    "SLURM); writes <output stem>_KKKK-of-NNNN<ext> (default: all of it)")
+    ap.add_argument("--num-workers", type=int, default=default_workers(),
+                    help="worker processes reading files (default: the cores this process may use, %(default)s here)")
+
+
+def reading_tool_setup(args, columns: Sequence[str] = (), why: str = "") -> tuple[list[str], tuple[int, int], str]:
+    """For a tool that reads every file of a table in timed workers (`meta`, `check`): its common flags
+    checked (--chunk-size, --num-workers, --time-limit), the table's files (with `columns`, needed by `why`),
+    the part it reads (--shard K/N or auto; all of it: (0, 1)) and that part's output."""
+    check_chunk_size(args.chunk_size)
+    if args.num_workers < 1:
+        raise BadInput(f"--num-workers must be ≥ 1, got {args.num_workers}")
+    if not args.time_limit > 0:
+        raise BadInput(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
+    files = input_files(args.input)
+    if not files:
+        raise BadInput(f"no table files in {args.input}")
+    if columns:
+        require_columns(files, columns, why)
+    shard = shard_from_env() if args.shard == "auto" else args.shard or (0, 1)
+    return files, shard, shard_output(args.output, shard) if args.shard else args.output
+
+
 SHARD_COST = ("num_frames", "height", "width")
 
 
