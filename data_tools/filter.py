@@ -9,6 +9,9 @@ Ranges (inclusive; give either end or both):
   --frames-min/--frames-max  column `num_frames`
   --height-min/--height-max, --width-min/--width-max   pixels
   --fps-min/--fps-max        column `fps`
+  --size-min/--size-max      file size, column `file_size` (bytes; data_tools.meta fills it), written
+                             with a unit as people write it: 50MB = 50·10⁶ bytes, 50MiB (or 50M, as
+                             GNU dd and ls -h read it) = 50·2²⁰; kB, GB, TB, KiB, GiB, TiB alike
   --words-min/--words-max    caption length in words (column `text`)
   --range COLUMN=LO:HI       any other numeric column (an end may be left empty: `aes=5:`)
 A row whose value is empty or not a number fails its range (images have no fps: `--fps-min` drops
@@ -22,10 +25,13 @@ out as one table. Relative paths are rewritten to resolve from the output's fold
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,8 +49,34 @@ RANGES = (
     ("height", "height", "height"),
     ("width", "width", "width"),
     ("fps", "fps", "fps"),
+    ("size", "file_size", "file size"),
     ("words", "text", "caption words"),
 )
+# Size units, as GNU coreutils reads them (dd, head -c): kB/MB/… powers of 1000, K/M/… and KiB/MiB/…
+# powers of 1024. Case does not matter.
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", 1):
+    _UNITS.update({f"{_p}b": 1000 ** _i, _p: 1024 ** _i, f"{_p}ib": 1024 ** _i})
+
+
+def parse_size(text: str) -> float:
+    """'50MB' → 50e6 bytes, '50MiB' or '50M' → 50·2²⁰, '1.5 GB', '1200' (bytes). For argparse's `type=`."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text), re.IGNORECASE)
+    unit = m.group(2).lower() if m else None
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write a number with a unit, e.g. 50MB (10⁶ bytes "
+                                         f"each), 50MiB (2²⁰ bytes each) or 52428800 (bytes)")
+    return float(m.group(1)) * _UNITS[unit]
+
+
+def format_size(n: float) -> str:
+    """Bytes as people read them: 50000000 → '50MB', 52428800 → '52.43MB (50MiB)'."""
+    decimal = next((f"{n / 1000 ** i:.4g}{u}" for i, u in reversed(list(enumerate(["B", "kB", "MB", "GB", "TB"])))
+                    if n >= 1000 ** i), f"{n:g}B")
+    for i, u in reversed(list(enumerate(["KiB", "MiB", "GiB", "TiB"], 1))):
+        if n >= 1024 ** i and (n / 1024 ** i).is_integer():
+            return f"{decimal} ({n / 1024 ** i:g}{u})"
+    return decimal
 
 
 @dataclasses.dataclass
@@ -55,6 +87,7 @@ class Criterion:
     hi: float | None
     words: bool = False  # count the words of a text column instead of reading a number
     removed: int = 0
+    show: Callable[[float], str] = "{:g}".format  # how describe() writes a bound
 
     def passes(self, df, keep_empty: bool = False) -> np.ndarray:
         if self.words:
@@ -70,8 +103,8 @@ class Criterion:
         return ok | empty if keep_empty else ok
 
     def describe(self) -> str:
-        lo = "-inf" if self.lo is None else f"{self.lo:g}"
-        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        lo = "-inf" if self.lo is None else self.show(self.lo)
+        hi = "inf" if self.hi is None else self.show(self.hi)
         return f"{self.name} in [{lo}, {hi}]"
 
 
@@ -91,7 +124,8 @@ def criteria_from_args(args) -> list[Criterion]:
     for stem, column, what in RANGES:
         lo, hi = getattr(args, f"{stem}_min"), getattr(args, f"{stem}_max")
         if lo is not None or hi is not None:
-            out.append(Criterion(what, column, lo, hi, words=stem == "words"))
+            out.append(Criterion(what, column, lo, hi, words=stem == "words",
+                                 show=format_size if stem == "size" else "{:g}".format))
     for spec in args.range or []:
         column, lo, hi = _parse_range(spec)
         out.append(Criterion(column, column, lo, hi))
@@ -109,9 +143,10 @@ def main(argv=None) -> int:
     ap.add_argument("--input", required=True, help="table: CSV/parquet file, folder or glob of shards")
     ap.add_argument("--output", required=True, help="the kept rows (.csv or .parquet)")
     for stem, column, what in RANGES:
-        ap.add_argument(f"--{stem}-min", type=float, default=None, metavar="X",
-                        help=f"lowest {what} kept (column {column})")
-        ap.add_argument(f"--{stem}-max", type=float, default=None, metavar="X", help=f"highest {what} kept")
+        kind = dict(type=parse_size, metavar="SIZE") if stem == "size" else dict(type=float, metavar="X")
+        ap.add_argument(f"--{stem}-min", default=None, **kind, help=f"lowest {what} kept (column {column})")
+        ap.add_argument(f"--{stem}-max", default=None, **kind,
+                        help=f"highest {what} kept" + (" (50MB: 50·10⁶ B, 50MiB: 50·2²⁰ B)" if stem == "size" else ""))
     ap.add_argument("--range", action="append", metavar="COLUMN=LO:HI", help="a range on any numeric column")
     ap.add_argument("--keep-empty", action="store_true", help="a row with an empty value passes that range")
     ap.add_argument("--remove-missing", action="store_true", help="drop rows whose file does not exist")

@@ -213,17 +213,21 @@ def is_missing(p) -> bool:
 
 
 def resolve_paths(values, base: str) -> list[str]:
-    """Normalized absolute paths: relative ones resolve against `base` (a missing value gives '')."""
-    return ["" if is_missing(p) else os.path.normpath(os.path.join(base, str(p))) for p in values]
+    """Normalized absolute paths: relative ones resolve against `base` (a missing value gives ''); URLs
+    (`s3://…`) as they are, `file://` ones as the local paths they name."""
+    from jaxsora.data.video import is_url, local_path
+
+    return ["" if is_missing(p) else (local_path(str(p)) or str(p)) if is_url(str(p))
+            else os.path.normpath(os.path.join(base, str(p))) for p in values]
 
 
 def rebase_paths(values, src: str, dst: str) -> list:
     """Relative paths that resolved against folder `src` rewritten to resolve from `dst`; absolute
-    paths and missing values as they are."""
+    paths, URLs and missing values as they are."""
     if os.path.normpath(src) == os.path.normpath(dst):
         return list(values)
-    return [p if is_missing(p) or os.path.isabs(str(p)) else os.path.relpath(os.path.join(src, str(p)), dst)
-            for p in values]
+    return [p if is_missing(p) or os.path.isabs(str(p)) or "://" in str(p)
+            else os.path.relpath(os.path.join(src, str(p)), dst) for p in values]
 
 
 def numeric(df: pd.DataFrame, column: str) -> np.ndarray:
@@ -365,6 +369,114 @@ def _cast(column, target):
     if column.type == target:
         return column
     return column.cast(target)
+
+
+# ---- one part of a table, for one host of many ----------------------------------------------------------
+SHARD_ENV = (("JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "jaxsora.cluster launch"),
+             ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "a SLURM job array"),
+             ("SLURM_PROCID", "SLURM_NTASKS", "srun"))
+
+
+def parse_shard(spec: str) -> tuple[int, int] | str:
+    """`--shard K/N` (part K of N, counted from 0) → (K, N), or "auto" (`shard_from_env` reads them when
+    the command runs). For argparse's `type=`."""
+    return spec if spec == "auto" else _shard_numbers(spec, spec)
+
+
+def shard_from_env(environ=os.environ) -> tuple[int, int]:
+    """`--shard auto`: (K, N) from what the launcher set: JAX_PROCESS_ID/JAX_NUM_PROCESSES (`jaxsora.cluster
+    launch` on each host), a SLURM job array's task (SLURM_ARRAY_TASK_ID − SLURM_ARRAY_TASK_MIN of
+    SLURM_ARRAY_TASK_COUNT), or srun's SLURM_PROCID/SLURM_NTASKS."""
+    for k_name, n_name, what in SHARD_ENV:
+        if environ.get(k_name) and environ.get(n_name):
+            k, n = environ[k_name], environ[n_name]
+            shown = f"--shard auto ({what}: {k_name}={k}, {n_name}={n})"
+            try:
+                if k_name == "SLURM_ARRAY_TASK_ID":
+                    k = str(int(k) - int(environ.get("SLURM_ARRAY_TASK_MIN", "0")))
+                return _shard_numbers(f"{k}/{n}", shown)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise BadInput(str(e)) from None
+    names = ", ".join(f"{k}/{n}" for k, n, _ in SHARD_ENV)
+    raise BadInput(f"--shard auto: none of {names} is set (give --shard K/N)")
+
+
+def _shard_numbers(spec: str, shown: str) -> tuple[int, int]:
+    k, sep, n = spec.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown}: expected K/N, part K of N counted from 0 (e.g. 0/24)") from None
+    if not sep or n < 1 or not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"{shown}: expected K/N with 0 ≤ K < N (e.g. 0/24 … 23/24)")
+    return k, n
+
+
+def shard_output(path: str, shard: tuple[int, int]) -> str:
+    """Part K of N's own output beside `path`: `ok.csv` → `ok_0003-of-0024.csv`. In name order the parts
+    are in table order, so `data_tools.merge --input 'ok_*-of-0024.csv'` puts them back together."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}_{shard[0]:04d}-of-{shard[1]:04d}{ext}"
+
+
+def add_reading_flags(ap: argparse.ArgumentParser, verb: str) -> None:
+    """--shard and --num-workers of a tool that reads every file of a table in workers (`meta`, `check`);
+    `verb`: what it does to a part ("read", "check")."""
+    from data_tools.workers import default_workers
+
+    ap.add_argument("--shard", type=parse_shard, default=None, metavar="K/N",
+                    help=f"{verb} part K of N of the table (0 ≤ K < N), or `auto` (from jaxsora.cluster launch or "
+                    "SLURM); writes <output stem>_KKKK-of-NNNN<ext> (default: all of it)")
+    ap.add_argument("--num-workers", type=int, default=default_workers(),
+                    help="worker processes reading files (default: the cores this process may use, %(default)s here)")
+
+
+def reading_tool_setup(args, columns: Sequence[str] = (), why: str = "") -> tuple[list[str], tuple[int, int], str]:
+    """For a tool that reads every file of a table in timed workers (`meta`, `check`): its common flags
+    checked (--chunk-size, --num-workers, --time-limit), the table's files (with `columns`, needed by `why`),
+    the part it reads (--shard K/N or auto; all of it: (0, 1)) and that part's output."""
+    check_chunk_size(args.chunk_size)
+    if args.num_workers < 1:
+        raise BadInput(f"--num-workers must be ≥ 1, got {args.num_workers}")
+    if not args.time_limit > 0:
+        raise BadInput(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
+    files = input_files(args.input)
+    if not files:
+        raise BadInput(f"no table files in {args.input}")
+    if columns:
+        require_columns(files, columns, why)
+    shard = shard_from_env() if args.shard == "auto" else args.shard or (0, 1)
+    return files, shard, shard_output(args.output, shard) if args.shard else args.output
+
+
+SHARD_COST = ("num_frames", "height", "width")
+
+
+def shard_rows(files: Sequence[str], shard: tuple[int, int], chunk_rows: int = DEFAULT_CHUNK_ROWS,
+               progress: bool = True) -> tuple[int, int, int]:
+    """(first row, end row, rows in all) of part K of N: contiguous rows, so the parts in order are the
+    table. Balanced by the work of decoding them, num_frames × height × width of each row (a row
+    without those: the mean of the others), when every file has those columns; else by row count.
+    The same table gives every host the same parts."""
+    k, n = shard
+    if all(c in file_columns(f) for f in files for c in SHARD_COST):
+        costs = []
+        for chunk in iter_chunks(files, chunk_rows, columns=SHARD_COST, desc="dividing the work", progress=progress):
+            v = np.prod([numeric(chunk.df, c) for c in SHARD_COST], axis=0)
+            costs.append(np.where(np.isfinite(v) & (v > 0), v, np.nan))
+        cost = np.concatenate(costs) if costs else np.zeros(0)
+        rows = len(cost)
+        if rows and np.isfinite(cost).any():
+            cost = np.where(np.isnan(cost), np.nanmean(cost), cost)
+            cum = np.cumsum(cost)
+            middle = cum - cost / 2  # a row belongs to the part its cost's middle falls in
+            bounds = np.searchsorted(middle, cum[-1] * np.arange(n + 1) / n, side="left")
+            bounds[-1] = rows
+            return int(bounds[k]), int(bounds[k + 1]), rows
+    else:
+        rows = sum(count_rows(files, chunk_rows, progress=progress))
+    first = k * (rows // n) + min(k, rows % n)  # as np.array_split (data_tools.shard)
+    return first, first + rows // n + (k < rows % n), rows
 
 
 def thread_map(fn: Callable, items: Sequence, workers: int) -> list:

@@ -169,6 +169,11 @@ def _job(command: str, loose: bool) -> list[dict] | str:
         return [] if (REPO / words[1]).exists() else f"bash: no such script {words[1]}"
     if prog == "srun":
         return _job(shlex.join(words[1:]), loose)
+    if prog == "sbatch":  # its --wrap command is ours to check, or its script must exist
+        if "--wrap" in words:
+            return _job(words[words.index("--wrap") + 1], loose)
+        script = next((w for w in words[1:] if not w.startswith("-")), None)
+        return [] if script and (REPO / script).exists() else f"sbatch: no such script {script}"
     if prog in ("python", ".venv/bin/python"):
         if words[1] == "-m" and words[2].split(".")[0] in ("jaxsora", "data_tools"):
             target, argv, kind = words[2], words[3:], "module"

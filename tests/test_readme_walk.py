@@ -9,8 +9,10 @@ What the walk changes in a command is written beside it, and is of three kinds o
 become `configs/demo.py`, one block pair deep, with a step or two (`TRAIN_FAST`, `TRAIN_ONE`: a CPU cannot
 run XL/2 at 240p), the docs' example names (`656`, `OpenVid1M.csv`, `outputs/012-stage7`, downloaded
 weights) become what the walk's earlier commands made, and sizes that a 32×32 synthetic set cannot meet
-(`--frames-min 51`) shrink. The inputs a user brings — a table of their own files (`raw.csv`), prompts, a
-reference image — are made from the synthetic set the docs' own `data_tools.synthetic` command writes.
+(`--frames-min 51`) shrink; and `data_tools.check` waits 2 s, not minutes, for the dataset chapter's clip whose
+storage hangs. The inputs a user brings — a table of their own files (`raw.csv`), prompts, a reference image,
+OpenVid-1M's and MiraData's tables as downloaded, with clips gone bad the ways downloads do — are made from
+the synthetic set the docs' own `data_tools.synthetic` command writes.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class Walk:
     expect: str | None = None
     chain: str = "runs"  # "data" (both chains start with it), "runs" or "tools"
     check: Callable[[pathlib.Path, str], None] | None = None  # (the walk's folder, stdout): what the output says
+    then: Callable[[pathlib.Path], None] | None = None  # what happens to the user's files after the command
 
 
 @dataclasses.dataclass
@@ -75,6 +78,85 @@ def _search_found_the_boundary(work: pathlib.Path, stdout: str) -> None:
     found = json.loads((work / "bs.json").read_text())["demo32"]
     assert 1 <= found["8"][1] < found["1"][1] == 4, found  # 8-frame clips fit fewer per device than images
     assert "peak GiB" in stdout, stdout[-2000:]
+
+
+# The dataset chapter's downloads: OpenVid-1M's clips unzipped into video_folder/ and MiraData's under miradata/,
+# the synthetic set's clips and these (name → what happens to it, and the reason it is dropped with):
+BAD_DOWNLOADS = {
+    "truncated.mp4": "truncated at frame",  # OpenVid: the download cut short (meta names it)
+    "short.mp4": "fewer frames than the table says: 4 of 24",  # OpenVid: re-downloaded shorter after meta
+    "hung.mp4": "stalled: no result within 2 s",  # OpenVid: its storage hangs after meta (a FIFO, by URL)
+    "corrupt.mp4": "decoder error at frame 6: [h264]",  # MiraData: bytes overwritten mid-stream (meta passes it)
+    "big.mp4": "file size",  # MiraData: over 50 MB (filter)
+}
+
+
+def _dataset_downloads(work: pathlib.Path, meta: pd.DataFrame) -> None:
+    """OpenVid-1M.csv and miradata_v1_330k.csv in their own columns over real clips: the synthetic set's, one row
+    with an empty caption, and the bad ones of BAD_DOWNLOADS."""
+    from tests.data_tools.clips import corrupt, encode, oversize, truncate
+
+    videos = meta[meta["path"].str.startswith("videos/")].reset_index(drop=True)
+    (work / "video_folder").mkdir()
+    (work / "miradata" / "000000000007").mkdir(parents=True)
+    for i, row in videos.iterrows():
+        dst = work / "video_folder" if i < 7 else work / "miradata" / "000000000007"
+        if i < 13:
+            shutil.copy(work / "data/synthetic" / row["path"], dst / os.path.basename(row["path"]))
+    truncate(encode(work / "video_folder" / "truncated.mp4", 24, 32, 32, seed=1))
+    encode(work / "video_folder" / "short.mp4", 24, 32, 32, seed=2)
+    encode(work / "hung.mp4", 24, 32, 32, seed=3)
+    corrupt(encode(work / "miradata" / "000000000007" / "corrupt.mp4", 24, 64, 64, seed=4), 200)  # meta reads it
+    oversize(encode(work / "miradata" / "000000000007" / "big.mp4", 24, 32, 32, seed=5), 50_000_001)
+    names = [os.path.basename(p) for p in videos["path"][:7]] + ["truncated.mp4", "short.mp4", f"local://{work}/hung.mp4"]
+    captions = videos["text"][:7].tolist() + ["a clip cut short", "a clip that changes", "a clip whose disk hangs"]
+    captions[6] = ""
+    pd.DataFrame({"video": names, "caption": captions, "aesthetic score": 5.0, "motion score": 1.0,
+                  "temporal consistency score": 0.95, "camera motion": "static", "frame": 24, "fps": 8.0,
+                  "seconds": 3.0}).to_csv(work / "OpenVid-1M.csv", index=False)
+    clips = [os.path.basename(p) for p in videos["path"][7:13]] + ["corrupt.mp4", "big.mp4"]
+    pd.DataFrame({"clip_id": [f"7.{i}" for i in range(len(clips))], "source": "youtube", "video_url": "https://y",
+                  "video_id": "v", "width": 1280, "height": 720, "fps": 30.0, "seconds": 72.0,
+                  "timestamp": "['0:00:00.000', '0:01:12.000']", "frame_number": 2160, "framestamp": "[0, 2160]",
+                  "file_path": [f"000000000007/{c}" for c in clips],
+                  "short_caption": "a short caption", "dense_caption": videos["text"][7:13].tolist() + [
+                      "a corrupt clip", "a big clip"], "background_caption": "", "main_object_caption": "",
+                  "style_caption": "", "camera_caption": ""}).to_csv(work / "miradata_v1_330k.csv", index=False)
+
+
+def _storage_changes_under_the_table(work: pathlib.Path) -> None:
+    """After meta measured OpenVid's clips: short.mp4 is downloaded again, shorter; the storage under
+    hung.mp4 hangs (a FIFO with no writer: whoever opens it waits forever, as on a hung mount)."""
+    from tests.data_tools.clips import encode
+
+    encode(work / "video_folder" / "short.mp4", 4, 32, 32, seed=2)
+    os.remove(work / "hung.mp4")
+    os.mkfifo(work / "hung.mp4")
+
+
+def _every_bad_clip_named_every_good_one_kept(work: pathlib.Path, stdout: str) -> None:
+    """The chapter's table holds the good clips and no other; each bad one was dropped, with its reason, by
+    the step meant to drop it; the empty caption was left out by meta."""
+    table = pd.read_csv(work / "OpenVid1M-Miradata330k.csv")
+    meta = pd.read_csv(work / "data/synthetic/meta.csv")
+    videos = [os.path.basename(p) for p in meta["path"] if p.startswith("videos/")]
+    assert sorted(os.path.basename(p) for p in table["path"]) == sorted(videos[:6] + videos[7:13])
+    reasons = {}
+    for name in ("openvid_meta.csv.unreadable.csv", "OpenVid1M.csv.dropped.csv", "Miradata330k.csv.dropped.csv"):
+        df = pd.read_csv(work / name)
+        reasons.update({os.path.basename(p): r for p, r in zip(df["path"], df["reason"])})
+    assert reasons.pop(videos[6]) == "empty caption"
+    filtered = pd.read_csv(work / "miradata_meta.csv")
+    assert "big.mp4" in {os.path.basename(p) for p in filtered["path"]}
+    assert "big.mp4" not in {os.path.basename(p) for p in pd.read_csv(work / "miradata_50mb.csv")["path"]}
+    reasons["big.mp4"] = "file size"  # filter's count of it: "file size in [-inf, 50MB] removed 1"
+    assert set(reasons) == set(BAD_DOWNLOADS), reasons
+    for name, reason in BAD_DOWNLOADS.items():
+        assert reasons[name].startswith(reason), (name, reasons[name])
+
+
+def _the_parts_are_the_one_run_table(work: pathlib.Path, stdout: str) -> None:
+    assert (work / "OpenVid1M_parts.csv").read_text() == (work / "OpenVid1M.csv").read_text()
 
 
 SKIP_CLUSTER = Skip("needs hosts reachable over ssh (tests/cluster runs these against a fake ssh)")
@@ -118,7 +200,7 @@ WALK: list[tuple[str, Walk | Skip]] = [
         {"train=0.95,val=0.05": "train=0.8,val=0.2"}, expect="splits/val.csv", chain="data")),
     ("data_tools.split --input meta_u.csv --output shards/", Walk(
         {"--output shards/ --num-shards 64": "--output pshards/ --num-shards 4"}, expect="pshards", chain="data")),
-    ("data_tools.merge", Walk({"a.csv b.parquet": "splits/train.csv splits/val.csv",
+    ("data_tools.merge --input a.csv", Walk({"a.csv b.parquet": "splits/train.csv splits/val.csv",
                                "more/meta_*.csv": "shards/meta_*.csv"}, expect="all.parquet", chain="data")),
     ("data_tools.stats --input splits/train.csv", Walk(STAGE_CONFIGS, expect="buckets.png", chain="data")),
     ("data_tools.filter --input OpenVid1M.csv", Walk({"OpenVid1M.csv": "meta.csv", "--frames-min 51": "--frames-min 1"},
@@ -214,6 +296,26 @@ WALK: list[tuple[str, Walk | Skip]] = [
                                    "--shard-size 256 --batch-size 16": "--shard-size 8 --batch-size 4"},
                                   "--no-progress", expect="feats/manifest.json", chain="tools")),
     ("--config.data.features=feats/", Walk(STAGE_CONFIGS, TRAIN_ONE, T5, chain="tools")),
+    # The dataset chapter (docs/data.md): OpenVid-1M's and MiraData's tables as downloaded, over synthetic clips
+    # and clips gone bad (`_dataset_downloads`), to one training table.
+    ("--input OpenVid-1M.csv --root video_folder", Walk(expect="openvid_meta.csv", chain="tools",
+                                                        then=_storage_changes_under_the_table)),
+    ("--input miradata_v1_330k.csv --root miradata", Walk(expect="miradata_meta.csv", chain="tools")),
+    ("--input openvid_meta.csv --output openvid_50mb.csv", Walk(expect="openvid_50mb.csv", chain="tools")),
+    ("--input miradata_meta.csv --output miradata_50mb.csv", Walk(expect="miradata_50mb.csv", chain="tools")),
+    ("--input openvid_50mb.csv --output OpenVid1M.csv", Walk(extra="--time-limit 2", expect="OpenVid1M.csv",
+                                                             chain="tools")),
+    ("--input miradata_50mb.csv --output Miradata330k.csv", Walk(expect="Miradata330k.csv", chain="tools")),
+    ("--output OpenVid1M-Miradata330k.csv", Walk(expect="OpenVid1M-Miradata330k.csv", chain="tools",
+                                                 check=_every_bad_clip_named_every_good_one_kept)),
+    ("--data-path OpenVid1M-Miradata330k.csv --dry-run", Walk(STAGE_CONFIGS, WALK_DEPTH, chain="tools")),
+    ("launch --run outputs/check", SKIP_CLUSTER),
+    ("sbatch --array", Skip("a SLURM job array (tests/data_tools/test_check.py runs --shard auto under "
+                            "jaxsora.cluster launch; the parts' merge is walked below)")),
+    ("--shard 0/24", Walk({"--shard 0/24": "--shard 0/1"}, "--time-limit 2",
+                          expect="checked/openvid_0000-of-0001.csv", chain="tools")),
+    ("'checked/openvid_*-of-0024.csv'", Walk({"0024": "0001", "--output OpenVid1M.csv": "--output OpenVid1M_parts.csv"},
+                                             chain="tools", check=_the_parts_are_the_one_run_table)),
     ("bench/", Skip("benchmarks: timed by hand on a quiet machine (docs/benchmarks.md), never in CI")),
 ]
 # The docs' Python example (the sampling API, docs/sampling.md), run with the walk's first run as outputs/demo.
@@ -290,6 +392,7 @@ def _user_inputs(work: pathlib.Path) -> None:
     preset = re.search(r"`(\{\"demo\": \{.*?\}\})`", text)
     assert preset, "the docs' demo preset example (docs/sampling.md)"
     (work / "demo_preset.json").write_text(json.dumps(json.loads(preset.group(1))))
+    _dataset_downloads(work, meta)
 
 
 def walk(chain: str, work: pathlib.Path) -> list[str]:
@@ -311,6 +414,8 @@ def walk(chain: str, work: pathlib.Path) -> list[str]:
             assert (work / action.expect).exists(), "\n".join(log) + f"\n{action.expect} was not written"
         if action.check:
             action.check(work, r.stdout)
+        if action.then:
+            action.then(work)
         if key.startswith("data_tools.synthetic"):
             _user_inputs(work)
     if chain == "runs":  # the docs' Python example samples the first run

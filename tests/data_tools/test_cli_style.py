@@ -19,7 +19,7 @@ ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
 
 CLI_MODULES = (
     "data_tools.meta", "data_tools.shard", "data_tools.synthetic", "data_tools.filter", "data_tools.dedup",
-    "data_tools.merge", "data_tools.split", "data_tools.stats", "data_tools.precompute",
+    "data_tools.merge", "data_tools.split", "data_tools.stats", "data_tools.precompute", "data_tools.check",
     "jaxsora.tools.lora", "jaxsora.tools.average", "jaxsora.sample", "jaxsora.serve", "jaxsora.ckpt",
     "jaxsora.runs", "jaxsora.cluster", "jaxsora.train", "jaxsora.tools.search_bs",
 )
@@ -75,6 +75,9 @@ def test_config_commands_help_with_a_config_too():
 # A wrong value for an argparse flag: one line naming the flag, exit code 2 — never the usage block.
 BAD_ARGS = [
     ("data_tools.filter", ["--input", "t.csv", "--output", "o.csv", "--frames-min", "abc"], "--frames-min"),
+    ("data_tools.filter", ["--input", "t.csv", "--output", "o.csv", "--size-max", "50XB"], "--size-max"),
+    ("data_tools.check", ["--input", "t.csv", "--output", "o.csv", "--shard", "3/2"], "--shard"),
+    ("data_tools.meta", ["--input", "t.csv", "--output", "o.csv", "--layout", "webvid"], "--layout"),
     ("data_tools.dedup", ["--input", "t.csv", "--output", "o.csv", "--by", "colour"], "--by"),
     ("data_tools.precompute", ["--shard-size", "abc"], "--shard-size"),
     ("data_tools.synthetic", ["--output", "d", "--frames", "x"], "--frames"),
