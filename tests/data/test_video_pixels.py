@@ -142,3 +142,51 @@ def test_the_cases_seek_into_gops_and_redraw_short_clips(clips):
         starts[name].append(_draw(np.random.default_rng(seed), n_declared, t, interval))
     assert any(s[0] % 12 for s in starts["1080p_b"]) and any(s[0] % 12 for s in starts["720p"])
     assert any(s[-1] >= 20 for s in starts["720p_mkv"])  # drawn on 28, ends past the 20th: drawn again
+
+
+def test_non_reference_frames_no_crop_needs_are_not_decoded(clips, monkeypatch):
+    """The seek pass lets the decoder drop the non-reference frames (here x264's unreferenced
+    B-frames) of packets no crop frame needs — before the crop, between frames at interval 3 —
+    and still gives the reference's pixels (the cases above hold them)."""
+    import jaxsora.data.video as video
+
+    path, n, hint = clips["1080p_b"]
+    out, dropped, real = [], [], video._decode_dropping
+
+    def spy(container, stream, clock, slots, drops, prev):
+        dropped.append(drops.indices)
+        for frame in real(container, stream, clock, slots, drops, prev):
+            out.append(clock.index(frame.pts))
+            yield frame
+
+    monkeypatch.setattr(video, "_decode_dropping", spy)
+    rng = np.random.default_rng(2)
+    idx = _draw(np.random.default_rng(2), n, 4, 3)
+    got, _ = load_sample(path, 4, 240, 426, frame_interval=3, rng=rng, num_frames_hint=hint)
+    np.testing.assert_array_equal(got, _reference(path, 4, 240, 426, 3, 2, hint)[1])
+    assert set(idx) <= set(out)
+    never = dropped[0] - set(out)  # packets let go that the decoder did not decode
+    assert never and not never & set(idx), (sorted(dropped[0]), out, idx)
+    assert any(idx[0] < i < idx[-1] for i in never), (sorted(never), idx)  # between the crop's frames too
+
+
+def test_dropped_frames_keep_the_checks_of_a_full_decode():
+    """What a full decode's frame-by-frame checks would have seen, with the dropped frames in: a
+    gap bridged only by dropped frames, a dropped frame repeated or behind a frame already out is
+    off the clock, and a stream that ends counts the dropped frames right after its last one."""
+    from jaxsora.data.video import _Dropped
+
+    d = _Dropped()
+    for i in (4, 5, 9):
+        d.add(i, prev=3)
+    assert d.bridge(3, 4) and d.bridge(3, 6) and not d.bridge(6, 8) and not d.bridge(6, 6) and not d.bridge(6, 5)
+    assert not d.off_clock and d.end(5) == -1 and d.end(8) == 10 and d.end(9) == 10
+    d.add(7, prev=6)
+    assert d.end(6) == -1  # 8 neither out nor dropped: a frame missing
+    d.add(8, prev=6)
+    assert d.end(6) == 10 and not d.off_clock
+    repeated, late = _Dropped(), _Dropped()
+    repeated.add(4, prev=3)
+    repeated.add(4, prev=3)
+    late.add(4, prev=5)
+    assert repeated.off_clock and late.off_clock
