@@ -22,6 +22,11 @@ after the crop's first frame (an open GOP: the keyframe's leading B-frames are d
 seek) is tried once more 16 frames earlier (the most an H.264/HEVC decoder reorders), then from
 the start. Variable-rate clips (many phones) and containers without that timing always decode from
 the start, as before. Decoder threads: `threads` (FFmpeg's frame/slice threading, the same frames).
+After a seek the decoder is let drop the non-reference frames (FFmpeg's skip_frame NONREF, packet by
+packet from its timestamp) that no crop frame needs: before the crop's first frame, between its
+frames at intervals > 1, after its last. No frame is predicted from those, so the frames decoded are
+the same; the checks above still see them (a gap only dropped frames fill is no gap). With B-frames
+(as cameras, phones and web video encode) that is about half the frames before a crop (x264's defaults).
 
 Each needed frame is converted and scaled in one swscale call (YUV → planar RGB at the cover size,
 bilinear) and center-cropped straight into the output: no full-size RGB frame is made (at 1080p →
