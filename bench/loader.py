@@ -345,17 +345,17 @@ def main(argv=None):
                 if name != "data" else f"{len(sources)} clips of {args.data}")
         print(f"\n{name} sources ({what}) → {args.res_bucket} × {t} frames ({hw[0]}×{hw[1]}), "
               f"frame interval {args.frame_interval}; {args.samples} crops × {args.rounds} rounds, one process")
-        print(f"{'':<40} {'clips/s':>8} {'frames/s':>9} {'CPU clips/s':>12}   "
+        print(f"{'':<46} {'clips/s':>8} {'frames/s':>9} {'CPU clips/s':>12}   "
               f"{'÷ decoder alone (rounds)':>25} {'CPU: ÷ decoder (rounds)':>24}")
         ref_wall, ref_cpu = seconds[DECODER]
         for m, (wall, cpu) in seconds.items():
             r, rc = best_rate(wall), best_rate(cpu)
             (a, lo, hi), (ac, loc, hic) = ratio(wall, ref_wall), ratio(cpu, ref_cpu)
-            print(f"{m:<40} {r:>8.2f} {r * t:>9.0f} {rc:>12.2f}   {a:>9.2f} ({lo:.2f}–{hi:.2f})"
+            print(f"{m:<46} {r:>8.2f} {r * t:>9.0f} {rc:>12.2f}   {a:>9.2f} ({lo:.2f}–{hi:.2f})"
                   f"{'':>4} {ac:>10.2f} ({loc:.2f}–{hic:.2f})")
         if args.workers:
             for label, r in grain_rows(sources, args, t):
-                print(f"{label:<40} {r:>8.2f} {r * t:>9.0f}")
+                print(f"{label:<46} {r:>8.2f} {r * t:>9.0f}")
         one = "load_sample, 1 thread" if "load_sample, 1 thread" in seconds else next(
             m for m in seconds if m.startswith("load_sample"))
         summary.append((name, one, best_rate(seconds[one][0]), best_rate(seconds[one][1]),
