@@ -1,36 +1,45 @@
-"""Loader speed on real-size video: one worker's decode of a bucket's samples beside the raw PyAV
-decode of the same frames, and what that means for a stage-1 step on 8 H100s. Prints tables.
+"""Loader speed on real-size video: one worker's decode of a bucket's samples beside the bare decoder
+on the same frames, and what that means for a stage-1 step on 8 H100s. Prints tables.
 
     python bench/loader.py                                   # 720p and 1080p clips of 12 s → 240p × 51
-    python bench/loader.py --res 720p,1080p --seconds 12 --bucket 240p:51 --threads 1,2
+    python bench/loader.py --res 720p,1080p --preset ultrafast,medium --rounds 3 --threads 1,2
     python bench/loader.py --step-seconds 2.5                # a measured step time instead of the estimate
     python bench/loader.py --data /path/meta.csv             # your own clips (their video rows)
     python bench/loader.py --workers 0,2                     # also the whole grain loader, N worker processes
 
-Sources: h264 mp4 clips made on the spot with PyAV (a panned random texture, libx264 `--preset`
-ultrafast, a keyframe every `--gop` frames, `--fps`), cached in `<tmp>/jaxsora-bench-clips/` for the
-next run (remove the folder to drop them). Each sample is a random crop of `--bucket`'s frames from
-one clip, as the loader draws it, turned into the bucket's (H, W) for the clip's aspect ratio.
+Sources: h264 mp4 clips made on the spot with PyAV (a panned random texture, a keyframe every `--gop`
+frames, `--fps`), for each libx264 `--preset`: `ultrafast` (P-frames only, CAVLC, no deblocking: the
+cheapest h264 there is to decode) and `medium` (B-frames, CABAC, deblocking: how cameras, phones and
+web video encode). Cached in `<tmp>/jaxsora-bench-clips/` for the next run (remove the folder to drop
+them; the medium clips take minutes to make). Each sample is a random crop of `--bucket`'s frames
+from one clip, as the loader draws it, turned into the bucket's (H, W) for the clip's aspect ratio.
 
-Rows, timed side by side (the methods take turns sample by sample, so a busy machine slows all alike):
-  raw PyAV        the reference: seek to the keyframe before the crop's first frame, decode forward
-                  to its last, `to_ndarray("rgb24")` for the crop's frames; no resize; one thread.
-                  (Below it, the decoder alone: the same without the RGB arrays.) Full-size RGB
-                  arrays cost more than the scaled ones load_sample makes (their memory is fresh
-                  for every frame: page faults), so load_sample can beat this row
-  load_sample     `jaxsora.data.video.load_sample` (seek, exact frame indices, scaled decode into
-                  [3, T, H, W] uint8) with `threads` decoder/swscale threads
-  before          the previous `load_sample`: decode from the start of the file, full-size RGB,
-                  PIL resize
+Rows, timed side by side: in each of `--rounds` rounds every method decodes every sample, the
+methods taking turns sample by sample (who goes first rotates), so a busy machine slows all alike:
+  decoder alone   the reference: seek to the keyframe before the crop's first frame, decode forward
+                  to its last, the frames as PyAV gives them (YUV); no RGB, no resize. FFmpeg's
+                  default threading (one thread on single-slice clips such as these)
+  + swscale       the same, plus the one swscale call per needed frame that load_sample makes
+                  (bilinear, planar RGB at the cover size): the least an exact load_sample can cost
+  load_sample     `jaxsora.data.video.load_sample` (seek, exact frame indices, non-reference frames
+                  no crop needs dropped undecoded, scaled conversion into [3, T, H, W] uint8) with
+                  `threads` decoder/swscale threads
+  raw PyAV        the decoder alone plus `to_ndarray("rgb24")` of the crop's frames at full size
+  before          an old load_sample: decode from the start of the file, full-size RGB, PIL resize
 A worker process runs `load_sample` one sample after another: its rate is the one-thread row.
+
+Columns: clips/s from each sample's fastest round, in wall time and in CPU time (the process's
+user + system seconds: what a core gives when it is not shared), and the rate ÷ the decoder alone's:
+the median of the rounds' ratios and their range, wall and CPU. The ratios are the figures to
+compare across machines and hours; the rates move with the load.
 
 The step: per-device batch from Open-Sora 1.2's stage-1 bucket config × 8 GPUs = clips one host
 needs per step. The step time is `--step-seconds`, or the model FLOPs of STDiT3-XL/2 at the bucket's
 latent shape (`jaxsora.train.plan.mfu`, forward + backward) at `--mfu` (45%) of an H100's 989 TFLOP/s
 bf16 (VAE and T5 not counted: a real step is longer, so this errs toward more workers). Workers
-decode while the step runs: with W workers a step waits max(0, clips / (W · rate) − step) for data;
-"data wait" is that share of the step's wall time. Per-worker rates add up only while there are
-cores for the workers (and their threads).
+decode while the step runs, so a host keeps up with W = ceil(clips per step / (rate × step))
+workers, one core each (the CPU-time rate: a core of its own); with fewer, a step waits
+max(0, clips / (W · rate) − step) for data, and "data wait" is that share of the step's wall time.
 """
 from __future__ import annotations
 
@@ -87,16 +96,16 @@ def make_clip(path: str, h: int, w: int, seconds: float, fps: int, gop: int, pre
     return path
 
 
-def make_sources(res: str, args) -> list[dict]:
+def make_sources(res: str, preset: str, args) -> list[dict]:
     h, w = RESOLUTIONS[res]
     folder = os.path.join(tempfile.gettempdir(), "jaxsora-bench-clips")
     os.makedirs(folder, exist_ok=True)
     out = []
     for i in range(args.clips):
-        name = f"{res}-{args.seconds:g}s-{args.fps}fps-gop{args.gop}-{args.preset}-{i}.mp4"
+        name = f"{res}-{args.seconds:g}s-{args.fps}fps-gop{args.gop}-{preset}-{i}.mp4"
         t0 = time.perf_counter()
         fresh = not os.path.exists(os.path.join(folder, name))
-        path = make_clip(os.path.join(folder, name), h, w, args.seconds, args.fps, args.gop, args.preset, seed=i)
+        path = make_clip(os.path.join(folder, name), h, w, args.seconds, args.fps, args.gop, preset, seed=i)
         if fresh:
             print(f"  made {path} ({os.path.getsize(path) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s",
                   file=sys.stderr)
@@ -117,13 +126,18 @@ def table_sources(data: str) -> list[dict]:
 
 # ---- the decoders timed ---------------------------------------------------------------------------
 
-def raw_pyav(path: str, idx: np.ndarray, rgb: bool = True) -> list:
+def raw_pyav(path: str, idx: np.ndarray, rgb: bool = True, scale_to: tuple[int, int] | None = None) -> list:
     """The ceiling: seek to the keyframe before frame idx[0], decode forward to idx[-1], rgb24 arrays of
     the crop's frames (frame index from the timestamp; the generated clips are constant-rate). rgb=False:
-    the decoder alone (the frames as PyAV gives them, YUV)."""
+    the decoder alone (the frames as PyAV gives them, YUV); scale_to=(h, w) with it: plus load_sample's
+    one swscale call per needed frame (bilinear, planar RGB at the cover size of (h, w)), kept nowhere."""
     import av
+    from av.video.reformatter import Interpolation, VideoReformatter
+
+    from jaxsora.data.video import cover_size
 
     wanted, last, out = set(idx.tolist()), int(idx.max()), []
+    reformatter = VideoReformatter()
     with av.open(path) as c:
         s = c.streams.video[0]
         step = 1 / (s.average_rate * s.time_base)
@@ -134,7 +148,11 @@ def raw_pyav(path: str, idx: np.ndarray, rgb: bool = True) -> list:
         for f in c.decode(s):
             i = round((f.pts - start) / step)
             if i in wanted:
-                out.append(f.to_ndarray(format="rgb24", threads=1) if rgb else None)  # frames not kept
+                if rgb:
+                    out.append(f.to_ndarray(format="rgb24", threads=1))
+                elif scale_to:
+                    nh, nw, _, _ = cover_size(f.height, f.width, *scale_to)
+                    reformatter.reformat(f, nw, nh, "gbrp", interpolation=Interpolation.BILINEAR, threads=1)
             if i >= last:
                 break
     return out
@@ -167,36 +185,59 @@ def bucket_size(res: str, height: int, width: int) -> tuple[int, int]:
 
 
 def time_methods(sources: list[dict], args, t: int) -> tuple[dict, tuple[int, int]]:
-    """Seconds per method over `--samples` crops, the methods taking turns on each sample."""
+    """{method: (wall seconds, CPU seconds)}, each [rounds, samples]: every round times every method on
+    every sample, the methods taking turns sample by sample (the first one rotating)."""
     from jaxsora.data.video import load_sample, temporal_indices
 
     threads = [int(x) for x in args.threads.split(",") if x]
-    methods = {"raw PyAV: seek + decode + rgb24": None, "(raw PyAV decoder alone, no RGB)": "decode"}
+    methods = {DECODER: "decode", "+ swscale, nothing else": "scale"}
     methods.update({f"load_sample, {n} thread{'s' if n > 1 else ''}": n for n in threads})
+    methods["raw PyAV: + full-size rgb24"] = "rgb"
     if not args.skip_before:
         methods["before: from the start + PIL"] = "before"
-    seconds = {m: 0.0 for m in methods}
+    names = list(methods)
+    wall = {m: np.zeros((args.rounds, args.samples)) for m in names}
+    cpu = {m: np.zeros((args.rounds, args.samples)) for m in names}
     hw = None
-    for k in range(args.samples):
-        src = sources[k % len(sources)]
-        h, w = bucket_size(args.res_bucket, src["height"], src["width"])
-        hw = (h, w)
-        idx = temporal_indices(src["num_frames"], t, args.frame_interval, np.random.default_rng([k]))
-        names = list(methods)
-        for m in names[k % len(names):] + names[:k % len(names)]:  # rotate who goes first
-            how = methods[m]
-            t0 = time.perf_counter()
-            if how is None:
-                raw_pyav(src["path"], idx)
-            elif how == "decode":
-                raw_pyav(src["path"], idx, rgb=False)
-            elif how == "before":
-                before(src["path"], idx, h, w)
-            else:
-                load_sample(src["path"], t, h, w, frame_interval=args.frame_interval, rng=np.random.default_rng([k]),
-                            num_frames_hint=src["num_frames"], threads=how)
-            seconds[m] += time.perf_counter() - t0
-    return seconds, hw
+    for r in range(args.rounds):
+        for k in range(args.samples):
+            src = sources[k % len(sources)]
+            h, w = bucket_size(args.res_bucket, src["height"], src["width"])
+            hw = (h, w)
+            idx = temporal_indices(src["num_frames"], t, args.frame_interval, np.random.default_rng([k]))
+            turn = (k + r) % len(names)
+            for m in names[turn:] + names[:turn]:
+                how = methods[m]
+                t0, c0 = time.perf_counter(), time.process_time()
+                if how == "decode":
+                    raw_pyav(src["path"], idx, rgb=False)
+                elif how == "scale":
+                    raw_pyav(src["path"], idx, rgb=False, scale_to=(h, w))
+                elif how == "rgb":
+                    raw_pyav(src["path"], idx)
+                elif how == "before":
+                    before(src["path"], idx, h, w)
+                else:
+                    load_sample(src["path"], t, h, w, frame_interval=args.frame_interval,
+                                rng=np.random.default_rng([k]), num_frames_hint=src["num_frames"], threads=how)
+                wall[m][r, k] = time.perf_counter() - t0
+                cpu[m][r, k] = time.process_time() - c0
+    return {m: (wall[m], cpu[m]) for m in names}, hw
+
+
+def ratio(seconds: np.ndarray, reference: np.ndarray) -> tuple[float, float, float]:
+    """A method's rate ÷ the reference's, per round (total seconds over the round's samples): (median,
+    lowest, highest)."""
+    per_round = reference.sum(axis=1) / seconds.sum(axis=1)
+    return float(np.median(per_round)), float(per_round.min()), float(per_round.max())
+
+
+def best_rate(seconds: np.ndarray) -> float:
+    """Clips/s from each sample's fastest round."""
+    return seconds.shape[1] / float(seconds.min(axis=0).sum())
+
+
+DECODER = "decoder alone: seek + decode, no RGB"
 
 
 # ---- the step -------------------------------------------------------------------------------------
@@ -268,12 +309,13 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--fps", type=int, default=30)
     ap.add_argument("--gop", type=int, default=60, help="frames between keyframes (60: 2 s at 30 fps)")
-    ap.add_argument("--preset", default="ultrafast", help="libx264 preset of the generated clips")
+    ap.add_argument("--preset", default="ultrafast,medium", help="libx264 presets of the generated clips")
     ap.add_argument("--clips", type=int, default=3, help="clips per source size")
     ap.add_argument("--data", default=None, help="a table (or its folder): time its video rows instead")
     ap.add_argument("--bucket", default="240p:51", help="RES:FRAMES of the stage-1 bucket config")
     ap.add_argument("--frame-interval", type=int, default=1)
-    ap.add_argument("--samples", type=int, default=12, help="crops timed per source size and method")
+    ap.add_argument("--samples", type=int, default=12, help="crops timed per source, method and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds: every method on every crop, in turns")
     ap.add_argument("--threads", default="1,2", help="load_sample decoder/swscale threads to time")
     ap.add_argument("--skip-before", action="store_true", help="do not time the previous load_sample")
     ap.add_argument("--step-seconds", type=float, default=0.0, help="the step time (default: estimated)")
@@ -284,8 +326,9 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, default=4, help="batches timed per --workers count")
     args = ap.parse_args(argv)
     args.res_bucket, t = args.bucket.split(":")[0], int(args.bucket.split(":")[1])
-    groups = {"data": table_sources(args.data)} if args.data else {r: make_sources(r, args)
-                                                                     for r in args.res.split(",") if r}
+    presets = [x for x in args.preset.split(",") if x]
+    groups = {"data": table_sources(args.data)} if args.data else {
+        f"{r} {p}": make_sources(r, p, args) for r in args.res.split(",") if r for p in presets}
     per_device = stage1_batch(args.res_bucket, t)
     clips_per_step = per_device * GPUS_PER_HOST
     host_workers = [int(x) for x in args.host_workers.split(",") if x]
@@ -298,29 +341,38 @@ def main(argv=None):
     for name, sources in groups.items():
         seconds, hw = time_methods(sources, args, t)
         s0 = sources[0]
-        what = (f"{s0['width']}×{s0['height']} h264, {args.fps} fps, {args.seconds:g} s, GOP {args.gop}, "
-                f"preset {args.preset}" if name != "data" else f"{len(sources)} clips of {args.data}")
+        what = (f"{s0['width']}×{s0['height']} h264, {args.fps} fps, {args.seconds:g} s, GOP {args.gop}"
+                if name != "data" else f"{len(sources)} clips of {args.data}")
         print(f"\n{name} sources ({what}) → {args.res_bucket} × {t} frames ({hw[0]}×{hw[1]}), "
-              f"frame interval {args.frame_interval}; {args.samples} crops, one process")
-        print(f"{'':<48} {'clips/s':>8} {'frames/s':>9} {'vs raw':>7}")
-        raw = args.samples / seconds["raw PyAV: seek + decode + rgb24"]
-        for m, s in seconds.items():
-            r = args.samples / s
-            print(f"{m:<48} {r:>8.2f} {r * t:>9.0f} {r / raw:>7.2f}")
+              f"frame interval {args.frame_interval}; {args.samples} crops × {args.rounds} rounds, one process")
+        print(f"{'':<46} {'clips/s':>8} {'frames/s':>9} {'CPU clips/s':>12}   "
+              f"{'÷ decoder alone (rounds)':>25} {'CPU: ÷ decoder (rounds)':>24}")
+        ref_wall, ref_cpu = seconds[DECODER]
+        for m, (wall, cpu) in seconds.items():
+            r, rc = best_rate(wall), best_rate(cpu)
+            (a, lo, hi), (ac, loc, hic) = ratio(wall, ref_wall), ratio(cpu, ref_cpu)
+            print(f"{m:<46} {r:>8.2f} {r * t:>9.0f} {rc:>12.2f}   {a:>9.2f} ({lo:.2f}–{hi:.2f})"
+                  f"{'':>4} {ac:>10.2f} ({loc:.2f}–{hic:.2f})")
         if args.workers:
             for label, r in grain_rows(sources, args, t):
-                print(f"{label:<48} {r:>8.2f} {r * t:>9.0f} {r / raw:>7.2f}")
-        summary.append((name, args.samples / seconds["load_sample, 1 thread"] if "load_sample, 1 thread" in seconds
-                        else args.samples / min(s for m, s in seconds.items() if m.startswith("load_sample"))))
+                print(f"{label:<46} {r:>8.2f} {r * t:>9.0f}")
+        one = "load_sample, 1 thread" if "load_sample, 1 thread" in seconds else next(
+            m for m in seconds if m.startswith("load_sample"))
+        summary.append((name, one, best_rate(seconds[one][0]), best_rate(seconds[one][1]),
+                        ratio(seconds[one][0], ref_wall), ratio(seconds[one][1], ref_cpu)))
+    print(f"\n{'source':<16} {'load_sample ÷ decoder alone: wall, CPU (median of rounds, range)':<66}")
+    for name, one, _, _, (a, lo, hi), (ac, loc, hic) in summary:
+        print(f"{name:<16} {a:.2f} ({lo:.2f}–{hi:.2f}), {ac:.2f} ({loc:.2f}–{hic:.2f})   [{one}]")
     step, how = step_seconds(args, t, hw, per_device)
     print(f"\nstage-1 step at {args.res_bucket} × {t}: {per_device} clips per GPU × {GPUS_PER_HOST} H100 = "
           f"{clips_per_step} clips per host per step; step {step:.2f} s ({how})")
     cols = " ".join(f"{f'{w} workers':>11}" for w in host_workers)
-    print(f"{'source':<8} {'clips/s/worker':>15} {'workers to feed 8 H100s':>24}   data wait with: {cols}")
-    for name, rate in summary:
-        need = math.ceil(clips_per_step / (rate * step))
-        waits = " ".join(f"{data_wait(clips_per_step, w, rate, step):>11.0%}" for w in host_workers)
-        print(f"{name:<8} {rate:>15.2f} {need:>24d}   {'':>15} {waits}")
+    print(f"{'source':<16} {'clips/s/worker':>15} {'workers (cores) to feed 8 H100s':>32}   data wait with: {cols}")
+    print(f"{'':<16} {'wall, CPU':>15} {'= ceil(clips / (CPU rate × step))':>32}")
+    for name, _, rate, rate_cpu, _, _ in summary:
+        need = math.ceil(clips_per_step / (rate_cpu * step))
+        waits = " ".join(f"{data_wait(clips_per_step, w, rate_cpu, step):>11.0%}" for w in host_workers)
+        print(f"{name:<16} {f'{rate:.2f}, {rate_cpu:.2f}':>15} {need:>32d}   {'':>15} {waits}")
     return 0
 
 

@@ -22,6 +22,11 @@ after the crop's first frame (an open GOP: the keyframe's leading B-frames are d
 seek) is tried once more 16 frames earlier (the most an H.264/HEVC decoder reorders), then from
 the start. Variable-rate clips (many phones) and containers without that timing always decode from
 the start, as before. Decoder threads: `threads` (FFmpeg's frame/slice threading, the same frames).
+After a seek the decoder is let drop the non-reference frames (FFmpeg's skip_frame NONREF, packet by
+packet from its timestamp) that no crop frame needs: before the crop's first frame, between its
+frames at intervals > 1, after its last. No frame is predicted from those, so the frames decoded are
+the same; the checks above still see them (a gap only dropped frames fill is no gap). With B-frames
+(as cameras, phones and web video encode) that is about half the frames before a crop (x264's defaults).
 
 Each needed frame is converted and scaled in one swscale call (YUV → planar RGB at the cover size,
 bilinear) and center-cropped straight into the output: no full-size RGB frame is made (at 1080p →
@@ -306,8 +311,9 @@ class _CoverCrop:
             return
         planar = self.reformatter.reformat(frame, self.scaled[1], self.scaled[0], "gbrp",
                                            interpolation=self.interpolation, threads=self.threads)
+        planes = planar.planes  # a tuple built on each access
         for c, p in self._GBRP_TO_RGB:
-            plane = planar.planes[p]
+            plane = planes[p]
             a = np.frombuffer(plane, np.uint8, plane.height * plane.line_size).reshape(plane.height, -1)
             a = self._upright_crop(a[:, :plane.width])
             for s in slots:
@@ -338,31 +344,88 @@ def _open_video(src, threads: int):
 _DONE, _ENDED, _LATE, _OFF_CLOCK = "done", "ended", "late", "off_clock"
 
 
+class _Dropped:
+    """The frames a seek pass let the decoder drop: the indices their packets' timestamps name, and
+    whether one of them could not be a frame a full decode puts out next (repeated, or behind a
+    frame already out): the timestamps then do not count frames."""
+
+    def __init__(self):
+        self.indices: set = set()
+        self.off_clock = False
+
+    def add(self, i: int, prev: int) -> None:
+        self.off_clock |= i in self.indices or i <= prev
+        self.indices.add(i)
+
+    def bridge(self, prev: int, i: int) -> bool:
+        """Whether frame i may come out right after frame prev: the next one, or the next after
+        dropped ones."""
+        return i == prev + 1 or (i > prev + 1 and self.indices.issuperset(range(prev + 1, i)))
+
+    def end(self, prev: int) -> int:
+        """The frames a full decode would have put out when the stream ends after frame prev: prev
+        + 1, plus the dropped frames right after it (-1 when they skip one: off the clock)."""
+        after = sorted(i for i in self.indices if i > prev)
+        return prev + 1 + len(after) if after == list(range(prev + 1, prev + 1 + len(after))) else -1
+
+
+def _decode_dropping(container, stream, clock: _FrameClock, slots: dict, dropped: _Dropped, out: list):
+    """The frames of a decode from the container's position, the decoder told to drop the
+    non-reference frames (FFmpeg's skip_frame NONREF) of each packet whose timestamp names a frame
+    no slot needs: before the crop's first frame, between its frames at intervals > 1, after its
+    last. No frame is predicted from a dropped one, so every frame decoded is the same as in a full
+    decode. Packets are demuxed before the frames they hold come out, so `dropped` knows a packet
+    before any frame after it is checked; out[0] is the index of the last frame out."""
+    ctx = stream.codec_context
+    try:
+        for packet in container.demux(stream):
+            i = clock.index(packet.pts)
+            drop = i is not None and i not in slots
+            ctx.skip_frame = "NONREF" if drop else "DEFAULT"
+            if drop:
+                dropped.add(i, out[0])
+            yield from packet.decode()
+    finally:
+        ctx.skip_frame = "DEFAULT"
+
+
 def _decode_pass(container, slots: dict, first: int, last: int, put, clock: _FrameClock | None,
                  seek_to: int) -> tuple[str, int]:
     """Decode the container's video from its start (seek_to = 0: frame index = frames decoded so far)
-    or from a seek to the keyframe before frame `seek_to` (index from the timestamp, by `clock`),
-    calling put(frame, slots[i]) for each needed frame i, until frame `last`.
+    or from a seek to the keyframe before frame `seek_to` (index from the timestamp, by `clock`;
+    non-reference frames no slot needs are dropped undecoded), calling put(frame, slots[i]) for
+    each needed frame i, until frame `last`.
     → (outcome, frames in the stream when it ended early: the measured length)."""
     stream = container.streams.video[0]
+    prev = [-1]  # the index of the last frame out (a list: the dropping decode reads it)
     if seek_to > 0:
         container.seek(clock.pts(seek_to), stream=stream, backward=True, any_frame=False)
-    prev = -1
-    for frame in container.decode(stream):
+        dropped = _Dropped()
+        frames = _decode_dropping(container, stream, clock, slots, dropped, prev)
+    else:
+        frames = container.decode(stream)
+    try:
+        for frame in frames:
+            if seek_to > 0:
+                i = clock.index(frame.pts)
+                if i is None or dropped.off_clock or (prev[0] >= 0 and not dropped.bridge(prev[0], i)):
+                    return _OFF_CLOCK, 0
+                if prev[0] < 0 and i > first:
+                    return _LATE, 0
+            else:
+                i = prev[0] + 1
+            prev[0] = i
+            if i in slots:
+                put(frame, slots[i])
+            if i >= last:
+                return _DONE, i + 1
+    finally:
         if seek_to > 0:
-            i = clock.index(frame.pts)
-            if i is None or (prev >= 0 and i != prev + 1):
-                return _OFF_CLOCK, 0
-            if prev < 0 and i > first:
-                return _LATE, 0
-        else:
-            i = prev + 1
-        prev = i
-        if i in slots:
-            put(frame, slots[i])
-        if i >= last:
-            return _DONE, i + 1
-    return _ENDED, prev + 1
+            frames.close()  # the decoder's skip_frame back to DEFAULT
+    if seek_to > 0:
+        length = dropped.end(prev[0]) if not dropped.off_clock else -1
+        return (_ENDED, length) if length >= 0 else (_OFF_CLOCK, 0)
+    return _ENDED, prev[0] + 1
 
 
 def _decode_crop(src, container, idx: np.ndarray, clock: _FrameClock | None, put, threads: int) -> tuple[bool, int]:
