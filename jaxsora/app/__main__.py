@@ -143,16 +143,24 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"videos → {os.path.abspath(args.save_dir)}", file=out, flush=True)
     for line in describe_offer(offer):
         print(f"[{PROG}] {line}", file=out, flush=True)
+    from jaxsora.app.offer import parse_length
+    from jaxsora.app.page import initial_choices
+
+    res, ar, length = initial_choices(offer, settings)
+    wanted = settings.validate(offer.extra_resolutions)
+    if (wanted.height, wanted.width) != offer.size(res, ar) or wanted.num_frames != parse_length(length):
+        print(f"[{PROG}] {wanted.num_frames}×{wanted.height}×{wanted.width} is not among this checkpoint's choices: "
+              f"the page starts at {res} {ar}, {length}", file=out, flush=True)
     if args.dry_run:
         return 0
     studio = Studio(pipe, offer, settings, args.save_dir)
 
     quiet_gradio()
-    from jaxsora.app.page import build_page
+    from jaxsora.app.page import build_page, page_css
 
     page = build_page(studio, examples, title=f"jaxsora · {checkpoint_name(pipe.step_dir)}")
     page.launch(server_name=args.host, server_port=args.port, share=args.share,
-                allowed_paths=[os.path.abspath(args.save_dir)], footer_links=["api", "settings"])
+                allowed_paths=[os.path.abspath(args.save_dir)], footer_links=["api", "settings"], css=page_css(offer))
     return 0
 
 

@@ -47,6 +47,13 @@ def initial_choices(offer, settings) -> tuple[str, str, str]:
     return res, ar, length_name(frames)
 
 
+def page_css(offer) -> str:
+    """The page's style: a checkpoint whose videos are all small (the demo's 32×32) shows them enlarged pixel for
+    pixel instead of blurred."""
+    largest = max(max(offer.size(res, ar)) for res, names in offer.resolutions.items() for ar in names)
+    return "#video video, #image img { image-rendering: pixelated; }" if largest <= 128 else ""
+
+
 def status_line(result, settings_text: str) -> str:
     if not result.ok:
         return f"**Not sampled:** {result.error}"

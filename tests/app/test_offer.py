@@ -3,7 +3,7 @@ plain Python, no model. The page in a browser is tests/app/test_app_browser.py."
 import pytest
 
 from jaxsora.app.offer import Offer, Request, length_name, offer_for, parse_length, settings_for
-from jaxsora.app.page import initial_choices
+from jaxsora.app.page import initial_choices, page_css
 from jaxsora.errors import BadInput
 from jaxsora.infer.options import SampleSettings, default_settings
 from jaxsora.opensora_config.reader import plain
@@ -104,3 +104,8 @@ def test_the_pages_first_values_are_the_samplers_defaults_where_offered():
     # a size no table of the run has: the first choices
     assert initial_choices(offer, SampleSettings(image_size=(48, 64))) == ("demo32", "1:1", "8 frames")
     assert initial_choices(Offer({"240p": ["9:16"]}, {"240p": [1]}), SampleSettings()) == ("240p", "9:16", "image")
+
+
+def test_small_videos_are_shown_pixel_for_pixel():
+    assert "pixelated" in page_css(offer_for(_config("demo")))
+    assert page_css(offer_for(None)) == ""  # 144p-720p: scaled smoothly
