@@ -173,6 +173,16 @@ def uploaded(driver, name: str, present: bool = True):
           f"{name} {'in' if present else 'gone from'} the reference box")
 
 
+def set_number(driver, elem_id: str, value):
+    """Type a value into a slider's number box and leave it (the value is taken on leaving)."""
+    field = driver.find_element(By.CSS_SELECTOR, f"#{elem_id} input[type=number]")
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(str(value))
+    driver.find_element(By.CSS_SELECTOR, "#prompt textarea").click()
+    _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, f"#{elem_id} input[type=number]").get_attribute("value")
+          == str(value), 10, f"{elem_id} = {value}")
+
+
 def status(driver) -> str:
     return driver.find_element(By.ID, "status").text.strip()
 
@@ -277,6 +287,7 @@ def test_image_to_video_starts_from_the_uploaded_image(server, browser, tmp_path
     first = np.abs(video[0] - image).mean()
     later = np.abs(video[-1] - image).mean()
     # the first frame is the image, up to the mp4's rounding; the last one has moved on
+    print(f"first frame off the image by {first:.2f} (mean |difference|, of 255), the last by {later:.2f}")
     assert first < 4.0 and later > 3 * first, (first, later)
     meta = json.loads(files[0].read_text())
     assert meta["settings"]["mask_strategy"] == "0"
@@ -304,13 +315,16 @@ def test_bad_inputs_are_answered_in_the_page_and_the_server_keeps_serving(server
 
 def test_two_requests_at_once_both_finish_one_after_the_other(server, browser):
     captions = ["a blue square moving left on a dark background", "a yellow bar moving down on a dark background"]
+    steps = 40  # long enough (a second or more) for the second press to come while the first request samples
     first = browser.current_window_handle
     open_page(browser, server)
     type_prompt(browser, captions[0])
+    set_number(browser, "steps", steps)
     browser.switch_to.new_window("tab")
     second = browser.current_window_handle
     open_page(browser, server)
     type_prompt(browser, captions[1])
+    set_number(browser, "steps", steps)
     before, pressed = {}, []
     for tab in (first, second):  # both pressed before either is done
         browser.switch_to.window(tab)
@@ -326,6 +340,7 @@ def test_two_requests_at_once_both_finish_one_after_the_other(server, browser):
     assert all(a.startswith("sample_") for a in answers), answers
     metas = [sidecar(server, a) for a in answers]
     assert [m["prompt"] for m in metas] == captions
+    assert [m["settings"]["num_sampling_steps"] for m in metas] == [steps, steps]
     a, b = sorted((m["app"] for m in metas), key=lambda x: x["started"])
     # both sent before the first was done, and sampled one after the other
     assert pressed[1] < a["finished"] <= b["started"], (pressed, a, b)
