@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test demo clean-venv lint
+.PHONY: install test demo clean-venv lint browser
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -c "import torch; assert '+cpu' in torch.__version__, 'a CUDA torch was installed: ' + torch.__version__"
-	$(VPY) -m pip install -q -e '.[dev,torch]'
+	$(VPY) -m pip install -q -e '.[dev,torch,app]'
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
 install: $(STAMP)
@@ -25,13 +25,25 @@ install: $(STAMP)
 # starting), and a third worker fills those waits (docs/install.md, "Running the tests").
 # Each worker holds a few GiB (8 fake devices, compiled steps): raise it on machines with the memory.
 TEST_WORKERS ?= 3
-test: install lint
+test: install lint browser
 	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade, simplify; pyproject.toml): make test
 # runs it first, so CI does too
 lint: install
 	$(VPY) -m ruff check jaxsora data_tools bench tests configs docs
+
+# The app's browser test (tests/app/test_app_browser.py) drives Debian's Chromium and its driver: installed here when
+# missing, as root with apt-get (CI: a fresh machine, where the test fails without them); elsewhere the test skips
+# and says how to install them.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver (the app's browser test)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else \
+		echo "no /usr/bin/chromium: the app's browser test will skip (apt-get install chromium chromium-driver)"; \
+	fi
 
 # The CPU demo: synthetic videos → train a small STDiT3 → checkpoint → sample an mp4 → export to PyTorch.
 DEMO ?= outputs/demo
@@ -62,6 +74,9 @@ demo: install
 	@echo "  checkpoints  $(DEMO)/checkpoints"
 	@echo "  samples      $(DEMO)/samples, every frame beside its prompt: $(DEMO)/samples.png"
 	@echo "  PyTorch      $(DEMO)/stdit3_demo_ema.safetensors (Open-Sora STDiT3 state dict)"
+	@echo
+	@echo "try the model in the browser (http://127.0.0.1:7860, its held-out captions as examples):"
+	@echo "  $(VPY) -m jaxsora.app $(DEMO) --prompt-path $(DEMO)/data/prompts.txt"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxsora.cli import ArgumentParser, hidden_aliases
 from jaxsora.cli import HelpFormatter as _Help
@@ -45,8 +45,8 @@ def _score(v: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {v!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
+def add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """The "checkpoint" group: what to open and how (`jaxsora.sample` and `jaxsora.app` alike)."""
     g = ap.add_argument_group("checkpoint")
     g.add_argument("ckpt", nargs="?", metavar="CKPT_OR_CONFIG",
                    help="run folder, checkpoints/ folder, step folder or converted checkpoint; or a config file "
@@ -67,6 +67,51 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp-size", type=int, default=None, help="devices on the data axis (default: all / sp-size)")
     g.add_argument("--sp-size", type=int, default=1, help="devices on the sequence axis (Ulysses), default 1")
 
+
+def add_score_args(g) -> None:
+    """--aes, --flow, --camera-motion: what is appended to each prompt."""
+    g.add_argument("--aes", type=_score, default=_UNSET, help="aesthetic score appended (default 6.5; none: off)")
+    g.add_argument("--flow", type=_score, default=_UNSET, help="motion score appended (default none)")
+    g.add_argument("--camera-motion", default=None, help="camera motion appended (e.g. 'pan left')")
+
+
+def add_size_args(ap: argparse.ArgumentParser) -> None:
+    """The "size and length" group."""
+    g = ap.add_argument_group("size and length")
+    g.add_argument("--resolution", default=None, help="144p, 240p, 360p, 480p, 720p, 1080p, 2k, 4k, 256, 512, ...")
+    g.add_argument("--aspect-ratio", default=None, help="h:w name (9:16 = landscape 240×426 at 240p, 16:9, 1:1, "
+                                                         "3:4, 4:3, ...) or an H/W key such as 0.56")
+    g.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), default=None, help="instead of the two above")
+    g.add_argument("--height", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--num-frames", default=None, help="frames, or a duration: 2s=51, 4s=102, 8s=204, 16s=408, 1x...")
+    g.add_argument("--fps", type=float, default=None, help="fps told to the model and of the mp4 (default 24)")
+    g.add_argument("--save-fps", type=float, default=None, help="fps of the mp4 (default: --fps)")
+
+
+def add_sampling_args(ap: argparse.ArgumentParser, batch: bool = True) -> None:
+    """The "sampling" group (`batch`: with --batch-size)."""
+    g = ap.add_argument_group("sampling")
+    g.add_argument("--num-sampling-steps", "--steps", dest="num_sampling_steps", type=int, default=30,
+                   help="denoising steps (rectified flow)")
+    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=None,
+                   help="classifier-free guidance scale (default: the run config's sample.cfg_scale, else 7.0)")
+    g.add_argument("--seed", type=int, default=42, help="noise seed (with each prompt's text and repeat count)")
+    if batch:
+        g.add_argument("--batch-size", type=int, default=1, help="videos sampled together")
+
+
+def add_compilation_cache_arg(g) -> None:
+    g.add_argument("--compilation-cache", metavar="DIR", default=None,
+                   help="jax's persistent compilation cache: each sampling shape compiles once across runs "
+                        "(default: the trainer's <outputs>/jax_cache beside the run folder, when it exists; "
+                        "'none': no cache; JAX_COMPILATION_CACHE_DIR, when set, wins)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(prog="python -m jaxsora.sample", description=__doc__, formatter_class=_Help)
+    add_checkpoint_args(ap)
+
     g = ap.add_argument_group("multi-host (every process runs the same command; process 0 writes the files)")
     g.add_argument("--coordinator", default=None, help="coordinator host:port (default: JAX_COORDINATOR_ADDRESS or "
                                                         "the detected cluster's)")
@@ -80,28 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--start-index", type=int, default=0, help="first line of --prompt-path (and first file number)")
     g.add_argument("--end-index", type=int, default=None, help="line after the last one of --prompt-path")
     g.add_argument("--num-sample", type=int, default=1, help="videos per prompt (names get -k)")
-    g.add_argument("--aes", type=_score, default=_UNSET, help="aesthetic score appended (default 6.5; none: off)")
-    g.add_argument("--flow", type=_score, default=_UNSET, help="motion score appended (default none)")
-    g.add_argument("--camera-motion", default=None, help="camera motion appended (e.g. 'pan left')")
+    add_score_args(g)
 
-    g = ap.add_argument_group("size and length")
-    g.add_argument("--resolution", default=None, help="144p, 240p, 360p, 480p, 720p, 1080p, 2k, 4k, 256, 512, ...")
-    g.add_argument("--aspect-ratio", default=None, help="h:w name (9:16 = landscape 240×426 at 240p, 16:9, 1:1, "
-                                                         "3:4, 4:3, ...) or an H/W key such as 0.56")
-    g.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), default=None, help="instead of the two above")
-    g.add_argument("--height", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--num-frames", default=None, help="frames, or a duration: 2s=51, 4s=102, 8s=204, 16s=408, 1x...")
-    g.add_argument("--fps", type=float, default=None, help="fps told to the model and of the mp4 (default 24)")
-    g.add_argument("--save-fps", type=float, default=None, help="fps of the mp4 (default: --fps)")
-
-    g = ap.add_argument_group("sampling")
-    g.add_argument("--num-sampling-steps", "--steps", dest="num_sampling_steps", type=int, default=30,
-                   help="denoising steps (rectified flow)")
-    g.add_argument("--cfg-scale", "--cfg", dest="cfg_scale", type=float, default=None,
-                   help="classifier-free guidance scale (default: the run config's sample.cfg_scale, else 7.0)")
-    g.add_argument("--seed", type=int, default=42, help="noise seed (with each prompt's text and repeat count)")
-    g.add_argument("--batch-size", type=int, default=1, help="videos sampled together")
+    add_size_args(ap)
+    add_sampling_args(ap)
 
     g = ap.add_argument_group("conditioning (image-to-video, extension)")
     g.add_argument("--reference-path", nargs="+", default=None,
@@ -125,10 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-as-path", action="store_true", help="name the files after the prompts")
     g.add_argument("--verbose", type=int, default=1, help="0: quiet, 1: progress bars (default)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars (the other messages stay)")
-    g.add_argument("--compilation-cache", metavar="DIR", default=None,
-                   help="jax's persistent compilation cache: each sampling shape compiles once across runs "
-                        "(default: the trainer's <outputs>/jax_cache beside the run folder, when it exists; "
-                        "'none': no cache; JAX_COMPILATION_CACHE_DIR, when set, wins)")
+    add_compilation_cache_arg(g)
     g.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     return ap
 
@@ -176,7 +200,7 @@ def make_settings(args, run_config: dict | None):
     return default_settings(run_config, **kw)
 
 
-def _use_compilation_cache(given: str | None, step_dir: str) -> None:
+def use_compilation_cache(given: str | None, step_dir: str) -> None:
     """Point jax's persistent compilation cache at `given` ('none': off) or, by default, at the cache the
     trainer keeps for its runs (`<outputs>/jax_cache`, beside a run folder `<outputs>/<run>` whose
     checkpoints/<step> this is) when that folder exists; before anything compiles. JAX_COMPILATION_CACHE_DIR
@@ -243,9 +267,10 @@ def _same_job(args, ckpt: str, step_dir: str, prompts: list[str], settings) -> s
     return find_step_dir(ckpt, first)
 
 
-def _given(argv: Sequence[str] | None) -> set[str]:
-    """The options (argparse dests) the command line gives, defaults aside."""
-    ap = build_parser()
+def _given(argv: Sequence[str] | None, parser: Callable[[], argparse.ArgumentParser] | None = None) -> set[str]:
+    """The options (argparse dests) the command line gives, defaults aside (`parser`: the command's parser
+    factory, default jaxsora.sample's)."""
+    ap = (parser or build_parser)()
     for action in ap._actions:
         action.default = argparse.SUPPRESS
     return set(vars(ap.parse_args(argv)))
@@ -320,15 +345,19 @@ def _jaxsora_config(path: str) -> dict:
         raise BadInput(f"config file {file} does not load: {type(e).__name__}: {e}") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    defaults = ConfigDefaults()
-    if args.ckpt and args.ckpt.split(":")[0].endswith(".py"):
-        if not os.path.isfile(args.ckpt.split(":")[0]):
-            raise MissingFile(f"no such config file: {args.ckpt}")
-        config_file, args.ckpt = args.ckpt, None
-        defaults = apply_config_file(config_file, args, _given(argv))
-    prompts = read_prompts(args)
+def read_config_arg(args, given: set[str]) -> ConfigDefaults:
+    """A config file given as CKPT_OR_CONFIG, applied to `args` where `given` (the options the command line
+    gives) has nothing (`apply_config_file`); args.ckpt then names no checkpoint."""
+    if not (args.ckpt and args.ckpt.split(":")[0].endswith(".py")):
+        return ConfigDefaults()
+    if not os.path.isfile(args.ckpt.split(":")[0]):
+        raise MissingFile(f"no such config file: {args.ckpt}")
+    config_file, args.ckpt = args.ckpt, None
+    return apply_config_file(config_file, args, given)
+
+
+def checkpoint_arg(args, defaults: ConfigDefaults, prog: str = "python -m jaxsora.sample") -> str:
+    """The checkpoint to open: CKPT, --ckpt-path or an Open-Sora config's model.from_pretrained."""
     ckpt = args.ckpt_opt or args.ckpt
     if args.ckpt and args.ckpt_opt and args.ckpt != args.ckpt_opt:
         raise BadInput(f"two checkpoints given ({args.ckpt} and --ckpt-path {args.ckpt_opt})")
@@ -337,8 +366,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ckpt = checkpoint_of(defaults.opensora)
     if not ckpt:
-        raise BadInput("give a checkpoint: python -m jaxsora.sample CKPT (a run folder, checkpoints/, a step folder "
+        raise BadInput(f"give a checkpoint: {prog} CKPT (a run folder, checkpoints/, a step folder "
                        "or a converted checkpoint), or --ckpt-path CKPT with a config file")
+    return ckpt
+
+
+def load_pipeline(args, step_dir: str, defaults: ConfigDefaults, mesh):
+    """The Pipeline of `step_dir` with the checkpoint flags of `args`; a config file's run config and
+    scheduler (`defaults`) in place of the checkpoint's."""
+    from jaxsora.infer.pipeline import Pipeline
+
+    pipe = Pipeline.load(step_dir, ema=args.ema, vae=args.vae, text_encoder=args.text_encoder, mesh=mesh,
+                         dtype=args.dtype)
+    if defaults.run_config is not None:
+        pipe.run_config = defaults.run_config
+    if defaults.use_timestep_transform is not None:  # the config file's scheduler, not the checkpoint's
+        pipe.use_timestep_transform = defaults.use_timestep_transform
+    return pipe
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    defaults = read_config_arg(args, _given(argv))
+    prompts = read_prompts(args)
+    ckpt = checkpoint_arg(args, defaults)
     if args.num_sample < 1:
         raise BadInput(f"--num-sample must be at least 1, got {args.num_sample}")
     from jaxsora.parallel import compile_options
@@ -373,18 +424,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import jax
 
-    from jaxsora.infer.pipeline import Pipeline, default_mesh, write_samples
+    from jaxsora.infer.pipeline import default_mesh, write_samples
 
-    _use_compilation_cache(args.compilation_cache, step_dir)
+    use_compilation_cache(args.compilation_cache, step_dir)
     _start_distributed(args)
     step_dir = _same_job(args, ckpt, step_dir, prompts, settings)
     mesh = default_mesh(args.dp_size, args.sp_size)
-    pipe = Pipeline.load(step_dir, ema=args.ema, vae=args.vae, text_encoder=args.text_encoder, mesh=mesh,
-                         dtype=args.dtype)
-    if defaults.run_config is not None:
-        pipe.run_config = defaults.run_config
-    if defaults.use_timestep_transform is not None:  # the config file's scheduler, not the checkpoint's
-        pipe.use_timestep_transform = defaults.use_timestep_transform
+    pipe = load_pipeline(args, step_dir, defaults, mesh)
     if args.verbose >= 1 and jax.process_index() == 0:
         print(f"[jaxsora.sample] {pipe.step_dir} (step {pipe.step}, {pipe.weights} weights), "
               f"{len(prompts)} video(s), mesh {dict(mesh.shape)}", file=sys.stderr, flush=True)

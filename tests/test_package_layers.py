@@ -15,8 +15,9 @@ CHECKPOINT_FLOOR = ("jaxsora", "jaxsora.checkpoint", "jaxsora.errors", "jaxsora.
 # Sampling, conversion and the checkpoint tools: an inference machine runs them without the trainer.
 # (tools.search_bs compiles the train step: it is the trainer's.)
 NOT_TRAIN = ("jaxsora.convert", "jaxsora.infer", "jaxsora.serve", "jaxsora.sample", "jaxsora.ckpt", "jaxsora.runs",
-             "jaxsora.tools")
-HIGHER = ("jaxsora.train", "jaxsora.sample", "jaxsora.serve", "jaxsora.infer", "jaxsora.config", "jaxsora.tools")
+             "jaxsora.tools", "jaxsora.app")
+HIGHER = ("jaxsora.train", "jaxsora.sample", "jaxsora.serve", "jaxsora.infer", "jaxsora.config", "jaxsora.tools",
+          "jaxsora.app")
 
 
 def _module(path: pathlib.Path) -> str:

@@ -159,6 +159,11 @@ def _the_parts_are_the_one_run_table(work: pathlib.Path, stdout: str) -> None:
     assert (work / "OpenVid1M_parts.csv").read_text() == (work / "OpenVid1M.csv").read_text()
 
 
+def _app_offers_the_demo_table(work: pathlib.Path, stdout: str) -> None:
+    """The app's --dry-run on a demo run: the page would offer the run's 32×32 table, an image or 8 frames."""
+    assert "demo32: 1:1 32×32; lengths image, 8 frames" in stdout, stdout[-2000:]
+
+
 SKIP_CLUSTER = Skip("needs hosts reachable over ssh (tests/cluster runs these against a fake ssh)")
 # The walk is two chains, each in a folder of its own after the same data commands (so that `make test`'s
 # two workers can run them side by side): "runs" (train, resume, average, convert, sample, serve) and
@@ -260,12 +265,16 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("from-torch OpenSora-STDiT-v3/model.safetensors", Walk({"OpenSora-STDiT-v3/model.safetensors ckpt/":
                                                              "stdit3_s7.safetensors ckpt_st/",
                                                              "STDiT3-XL/2": WALK_MODEL}, expect="ckpt_st")),
-    ("--vae pretrained_models/OpenSora-VAE-v1.2", Skip("the released VAE and T5-XXL weights at 720p: downloads and "
-                                                       "a GPU (tests/infer holds the same options on tiny models)")),
+    ("--vae pretrained_models/OpenSora-VAE-v1.2", Skip("the released VAE and T5-XXL weights at 480p-720p: downloads "
+                                                       "and a GPU (tests/infer and tests/app hold the same options on "
+                                                       "tiny models)")),
     ('--reference-path first.png', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
     ('--reference-path clip.mp4', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4 --num-frames 16"})),
     ('"reference_path": "a.png;b.png"', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
     ('--loop 3 --condition-frame-length 5', Walk({"ckpt/ ...": R1 + " --num-sampling-steps 4"})),
+    ("jaxsora.app outputs/demo --prompt-path", Skip("a server runs until stopped: tests/app/test_app_browser.py "
+                                                     "opens one in headless Chromium; its --dry-run form is walked")),
+    ("jaxsora.app outputs/demo --dry-run", Walk({"outputs/demo": R1}, check=_app_offers_the_demo_table)),
     ("--preset low4s", Skip("a server runs until stopped, at 360p × 102 frames; its `--once` form is walked below")),
     ("--preset high4s", Skip("a server runs until stopped, at 720p; its `--once` form is walked below")),
     ("--preset demo --presets-file demo_preset.json", Walk({"outputs/demo": R2}, expect=R2 + "/samples/demo")),

@@ -206,3 +206,42 @@ def test_mesh_data_and_sequence_parallel(pipe, run):
     out = sp2.generate([A, B], s, progress=False)
     assert max(np.abs(x.astype(int) - y).max() for x, y in zip(out, ref)) <= 1
     assert "all-to-all" in sp2.last_denoise_hlo()
+
+
+def test_the_apps_studio_samples_one_at_a_time_keeping_a_sampler_per_shape(pipe, tmp_path):
+    """`jaxsora.app`'s service on this pipeline (here to share its compiled programs): a second request of a shape
+    compiles nothing (the trace counts), another step count does; each video is written with its sidecar, numbered
+    on; a bad request is a message and so is a failure inside the sampler, after which it keeps serving."""
+    from jaxsora.app.offer import Request, offer_for
+    from jaxsora.app.service import Studio
+
+    offer = offer_for(pipe.run_config)
+    studio = Studio(pipe, offer, pipe.default_settings(), str(tmp_path / "out"))
+    ask = lambda prompt, **kw: Request(prompt, "demo32", "1:1", "8 frames", **{"steps": 3, **kw})  # noqa: E731
+    first = studio.generate(ask(A), progress=False)
+    assert first.ok, first.error
+    traces = dict(pipe.trace_counts)
+    second = studio.generate(ask(B, seed=7, cfg_scale=4.0), progress=False)
+    assert second.ok and not second.compiled and dict(pipe.trace_counts) == traces
+    assert studio.generate(ask(A, steps=4), progress=False).compiled  # another program: the steps are its shape
+    assert [os.path.basename(r.media) for r in (first, second)] == ["sample_0000.mp4", "sample_0001.mp4"]
+    meta = json.load(open(second.sidecar))
+    assert meta["prompt"] == B and meta["seed"] == 7 and meta["settings"]["resolution"] == "demo32"
+    assert meta["app"]["compiled"] is False and meta["app"]["started"] <= meta["app"]["finished"]
+    assert meta["checkpoint"] == pipe.step_dir
+    # what the page answers instead of a video
+    assert studio.generate(ask(""), progress=False).error.startswith("the prompt is empty")
+    (tmp_path / "bad.png").write_bytes(b"no image")
+    bad = studio.generate(ask(A, reference=str(tmp_path / "bad.png")), progress=False)
+    assert bad.error.startswith("reference: cannot read image"), bad.error
+    original, pipe.generate = pipe.generate, lambda *a, **k: 1 / 0
+    try:
+        broken = studio.generate(ask(A), progress=False)
+    finally:
+        pipe.generate = original
+    assert broken.error == "sampling failed: ZeroDivisionError: division by zero (the traceback is in the server's log)"
+    assert studio.generate(ask(A), progress=False).ok  # still serving
+    image = studio.generate(Request(A, "demo32", "1:1", "image", steps=3), progress=False)
+    assert image.media.endswith("sample_0004.png") and image.shape == (1, 32, 32)
+    assert sorted(os.listdir(tmp_path / "out")) == [f"sample_000{i}.{e}" for i in range(4) for e in ("json", "mp4")] \
+        + ["sample_0004.json", "sample_0004.png"]
