@@ -101,8 +101,9 @@ def main(argv=None):
 
     import importlib.util
 
-    if importlib.util.find_spec("libtpu") is None:
-        sys.exit("tpu_attention: libtpu is not installed: pip install '.[tpu]'")
+    if importlib.util.find_spec("libtpu") is None:  # a missing extra: one line, exit code 2 (jaxsora/errors.py)
+        print("tpu_attention: libtpu is not installed: pip install '.[tpu]'", file=sys.stderr)
+        sys.exit(2)
     from jax.experimental import topologies
 
     from jaxsora.parallel import mesh as mesh_lib
