@@ -56,7 +56,7 @@ def get_config():
                                         # save_qkv_proj (see STDiT3Config)
         remat_blocks=-1,                # block pairs rematerialized, from the first (-1: all)
         scan_blocks=False,              # one lax.scan over the block pairs: 1 pair compiled instead of 28
-        attention_impl="auto",          # cuDNN flash attention on GPU in bf16, XLA otherwise
+        attention_impl="auto",          # cuDNN flash attention on GPU in bf16, Pallas splash on TPU, else XLA
         freeze_y_embedder=True,         # every 1.2 stage config
         class_dropout_prob=0.1,
         input_sq_size=512,              # the 2D pos-emb's unit: positions scale by sqrt(H·W)/input_sq_size pixels

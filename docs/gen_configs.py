@@ -102,14 +102,14 @@ NOTES = {
 
 def _choices() -> dict[str, str]:
     """The allowed values of the choice knobs, from the code that checks them."""
-    from jaxsora.models.config import REMAT_SETTINGS
+    from jaxsora.models.config import ATTENTION_IMPLS, REMAT_SETTINGS
     from jaxsora.models.presets import available
 
     return {
         "model.name": ", ".join(available()),
         "model.compute_dtype": "float32, bfloat16",
         "model.remat": ", ".join(REMAT_SETTINGS),
-        "model.attention_impl": "auto, xla, cudnn",
+        "model.attention_impl": ", ".join(ATTENTION_IMPLS),
         "vae.kind": "opensora, identity",
         "text_encoder.kind": "t5, tiny",
         "scheduler.sample_method": "uniform, logit-normal",

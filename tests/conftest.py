@@ -12,6 +12,9 @@ from tests.xla_flags import cpu_flags
 os.environ.setdefault("XLA_FLAGS", cpu_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# libtpu (the `tpu` extra) lets one process at a time load it unless told otherwise; the tests only compile for
+# TPU topologies (no chip is opened), so several workers may (docs/training/tpu.md)
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # One persistent compilation cache for the whole session, subprocesses included (the loop tests
 # compile the same small train step many times).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxsora-test-jax-cache"))

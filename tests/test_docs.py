@@ -30,7 +30,7 @@ FIXTURE_CONFIGS = {
     "configs/opensora-v1-2/": "tests/fixtures/opensora_configs/hpcaitech/configs/opensora-v1-2/",
 }
 # Programs that are not ours: their command lines are written as their own docs give them.
-EXTERNAL = {"pip", "hf", "rsync", "kill", "torchrun", "colossalai", "python3.12", "."}
+EXTERNAL = {"pip", "hf", "rsync", "kill", "torchrun", "colossalai", "python3.12", ".", "gcloud"}
 
 
 def doc_pages() -> list[pathlib.Path]:

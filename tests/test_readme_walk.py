@@ -175,6 +175,8 @@ SKIP_GPU_SETUP = Skip("a GPU node's setup: a venv, pip, a device check (make tes
 SKIP_DOWNLOAD = Skip("a download from Hugging Face (this machine has no network): docs/weights.md")
 SKIP_HOSTS = Skip("several hosts' environment for one process each (tests/cluster and the multi-process "
                   "tests run two local processes instead)")
+SKIP_TPU = Skip("a TPU VM with a GCS bucket (tests/models/test_splash_attention.py compiles the attention for a "
+                "TPU topology where libtpu is installed)")
 
 # (a substring that names one command of the README or a docs page, what the walk does with it) — in the order
 # walked. The pages are read in the order the README links them (tests/test_docs.py, doc_pages); a command
@@ -243,6 +245,11 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("--slurm 123456", SKIP_CLUSTER),
     ("launch --run outputs/s1", SKIP_CLUSTER),
     ("launch --run outputs/s2", SKIP_CLUSTER),
+    # --- TPUs (docs/training/tpu.md).
+    ("pip install -e '.[tpu]'", Skip("installs libtpu (684 MB): a TPU VM's setup, or the machine that runs "
+                                     "tests/models/test_splash_attention.py's TPU compile")),
+    ("--outputs /mnt/bucket/outputs\n", SKIP_TPU),
+    ("tpu-vm ssh", SKIP_TPU),
     ("average outputs/s7/checkpoints", Walk({"outputs/s7/checkpoints --steps 4000,4500,5000":
                                              R3 + "/checkpoints --steps 0,1,2", "outputs/s7-avg": "outputs/avg7"},
                                             expect="outputs/avg7")),

@@ -10,6 +10,10 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims", "o
 # `model.remat` also takes "auto": the train step's compile plan picks, per bucket, the first of
 # `AUTO_REMAT_LADDER` that fits the device's memory (jaxsora.train.plan.memory).
 REMAT_SETTINGS = REMAT_POLICIES + ("auto",)
+# `model.attention_impl` (jaxsora.models.layers.resolve_attention_impl): "auto" picks per platform — cuDNN's
+# flash attention on a GPU in bf16/fp16, the Pallas splash kernel on a TPU, XLA's attention otherwise; "xla",
+# "cudnn" and "splash" force one ("splash" runs on a TPU only).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 # What each named policy keeps of a block for the backward: `jax.ad_checkpoint.checkpoint_name`s the layers put
 # on their matmul outputs (jaxsora/models/layers.py). Everything else of the block is recomputed.
 REMAT_SAVED_NAMES = {
@@ -88,7 +92,7 @@ class STDiT3Config:
     # Run the (spatial, temporal) block pairs under one `lax.scan`: one pair is compiled instead
     # of `depth`. Parameters, checkpoints and conversion are unchanged (stacked on the fly).
     scan_blocks: bool = False
-    attention_impl: str = "auto"  # "auto" | "xla" | "cudnn"
+    attention_impl: str = "auto"  # one of ATTENTION_IMPLS
     sequence_parallel_axis: str | None = None  # mesh axis for Ulysses spatial attention
     # The reference modulates x_mask == False frames twice in the final layer (T2IFinalLayer). Keep
     # False to load/export Open-Sora checkpoints; True computes the intended single modulation.
@@ -110,6 +114,8 @@ class STDiT3Config:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
         if self.drop_path != 0.0:
             raise ValueError("drop_path > 0 is not supported (every Open-Sora 1.2 config uses 0.0)")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.compute_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
 

@@ -10,6 +10,8 @@ are float32; `dtype` is the compute dtype (bfloat16 on GPU).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -19,8 +21,11 @@ import numpy as np
 from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
+from jaxsora.errors import ConfigError
 from jaxsora.models import _flax  # noqa: F401 — the Flax settings, before any variable
+from jaxsora.models.config import ATTENTION_IMPLS
 from jaxsora.parallel import constraints
 
 # Open-Sora 1.2: LayerNorm / LlamaRMSNorm eps in STDiT3 blocks, final layer and q/k norm.
@@ -250,22 +255,93 @@ def rope_interleaved(x: jax.Array, freqs) -> jax.Array:
     return (xf * cos + swapped * sin_signed).astype(x.dtype)
 
 
-def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str | None:
-    """Pick `jax.nn.dot_product_attention`'s implementation explicitly.
+# The platforms of `resolve_attention_impl` (jax.default_backend()'s names; ROCm counts as "gpu").
+PLATFORMS = ("cpu", "gpu", "tpu")
+# Pallas TPU kernels tile a key block over the 128 lanes of a vector register, and splash's backward tiles
+# query blocks the same way (splash_attention_kernel.NUM_LANES): both sequences are padded to a multiple.
+SPLASH_LANES = 128
+# The largest splash block: 512 × 512 is MaxText's default block (its `sa_block_*` settings). A block is the
+# largest multiple of 128 up to this that divides the padded sequence, so padding never exceeds 127 tokens.
+SPLASH_MAX_BLOCK = 512
+# Key sequences shorter than one lane block run XLA's attention even where "splash" is chosen: padding the
+# temporal attention's 15 latent frames to 128 would multiply its score FLOPs by (128/15)² ≈ 73, while XLA's
+# [15, 15] float32 scores are a tenth of the bytes of its q, k, v and output (docs/training/tpu.md).
+SPLASH_MIN_KEYS = SPLASH_LANES
 
-    "auto": cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple of 8 and ≤ 128 —
-    STDiT3-XL/2's 72 qualifies), XLA otherwise. "cudnn" raises where cuDNN cannot run.
-    Returns None for XLA (jax's spelling).
+_SPLASH_INTERPRET = contextvars.ContextVar("jaxsora_splash_interpret", default=False)
+
+
+@contextlib.contextmanager
+def splash_interpret():
+    """Within this context `resolve_attention_impl` accepts "splash" on any platform and returns
+    "splash_interpret": the same Pallas kernel, run by Pallas' interpreter (the CPU tests of the kernel's
+    numbers). Every model built inside it keeps that choice, wherever it is traced later."""
+    token = _SPLASH_INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _SPLASH_INTERPRET.reset(token)
+
+
+def compile_platform() -> str:
+    """The platform that what is traced now compiles for: the devices' of the mesh set by `jax.set_mesh` (a
+    deviceless TPU topology's devices say "tpu" on a CPU machine), else `jax.default_backend()`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def splash_applies(dtype, head_dim: int) -> bool:
+    """Whether splash attention runs this attention on a TPU: float32 or bfloat16 (float16 has no TPU
+    arithmetic), head_dim a multiple of 8 (a sublane) up to 256. STDiT3-XL/2's 72 qualifies: Mosaic lays it
+    out in 128 lanes, which a TPU array of 72 columns occupies in memory anyway (docs/training/tpu.md)."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) and head_dim % 8 == 0 and head_dim <= 256
+
+
+def _cudnn_applies(dtype, head_dim: int) -> bool:
+    """bf16/fp16, head_dim a multiple of 8 and ≤ 128 (jax's cuDNN flash attention; XL/2's 72 qualifies)."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+
+
+def resolve_attention_impl(impl: str, dtype, head_dim: int, platform: str | None = None) -> str | None:
+    """Pick the attention implementation explicitly, for `platform` ("cpu", "gpu" or "tpu"; None: the
+    platform of the mesh set by `jax.set_mesh` — a plan's target chips, which may not be this machine's —
+    and without one `jax.default_backend()`). A plan for another chip passes that chip's platform.
+
+    "auto": cuDNN on "gpu" where it applies (`_cudnn_applies`), splash on "tpu" where it applies
+    (`splash_applies`), XLA otherwise. "cudnn" raises (inside jax) where cuDNN cannot run. "splash" is
+    the Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.splash_attention`); requested where it
+    cannot run it raises `ConfigError` — except inside `splash_interpret()`, which runs the same kernel in
+    Pallas' interpret mode on any platform (the CPU tests). Returns None for XLA (jax's spelling),
+    "cudnn", "splash" or "splash_interpret".
     """
+    platform = compile_platform() if platform is None else platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
     if impl == "xla":
         return None
     if impl == "cudnn":
         return "cudnn"
+    if impl == "splash":
+        if _SPLASH_INTERPRET.get():
+            return "splash_interpret"
+        if platform != "tpu":
+            raise ConfigError(f"model.attention_impl='splash' runs on a TPU only, and this platform is "
+                              f"{platform!r}: use 'auto' (or 'xla')")
+        if not splash_applies(dtype, head_dim):
+            raise ConfigError(f"model.attention_impl='splash' needs compute_dtype float32 or bfloat16 and a "
+                              f"head_dim that is a multiple of 8 up to 256, got {jnp.dtype(dtype).name} and "
+                              f"{head_dim}: use 'auto'")
+        return "splash"
     if impl != "auto":
-        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
-    on_gpu = jax.default_backend() == "gpu"
-    ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if (on_gpu and ok) else None
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if platform == "gpu" and _cudnn_applies(dtype, head_dim):
+        return "cudnn"
+    if platform == "tpu" and splash_applies(dtype, head_dim):
+        return "splash"
+    return None
 
 
 def attention(
@@ -275,16 +351,23 @@ def attention(
     *,
     impl: str | None,
     kv_lengths: jax.Array | None = None,
+    sequence_shards: str = "tokens",
 ) -> jax.Array:
     """softmax(q·kᵀ/√Dh)·v with the softmax in float32.
 
     q: [B, Nq, H, Dh], k/v: [B, Nk, H, Dh]; kv_lengths: [B] int, keys ≥ length are padding (the
     valid keys form a prefix, as T5 attention masks do). A row with no valid key returns 0,
-    as the reference's packed block-diagonal attention does.
+    as the reference's packed block-diagonal attention does. impl: `resolve_attention_impl`'s answer;
+    the splash kernel takes key sequences of at least SPLASH_MIN_KEYS, XLA the shorter ones.
+    sequence_shards: what the mesh's `sequence` axis shards here, for the splash kernel's shard_map:
+    "tokens" (q's tokens: spatial and cross-attention) or "rows" (B is (batch, tokens): temporal).
     """
     scale = q.shape[-1] ** -0.5
     if impl == "cudnn":
         out = _cudnn_attention(q, k, v, scale, kv_lengths)
+    elif impl in ("splash", "splash_interpret") and k.shape[1] >= SPLASH_MIN_KEYS:
+        out = _splash_sharded(q, k, v, kv_lengths, interpret=impl == "splash_interpret",
+                              sequence_shards=sequence_shards)
     else:
         bias = None
         if kv_lengths is not None:
@@ -297,6 +380,126 @@ def attention(
     if kv_lengths is not None:
         out = jnp.where((kv_lengths > 0)[:, None, None, None], out, 0)
     return out
+
+
+def splash_blocks(n: int) -> tuple[int, int]:
+    """(padded length, block) of a sequence of n tokens for the splash kernel: n rounded up to a multiple of
+    SPLASH_LANES, and the largest multiple of SPLASH_LANES up to SPLASH_MAX_BLOCK that divides it (240p's 405
+    spatial tokens: (512, 512); 300 caption tokens: (384, 384); 720p's 3,600: (3,712, 128))."""
+    padded = -(-n // SPLASH_LANES) * SPLASH_LANES
+    block = max(b for b in range(SPLASH_LANES, SPLASH_MAX_BLOCK + 1, SPLASH_LANES) if padded % b == 0)
+    return padded, block
+
+
+def _splash_attention(q, k, v, kv_lengths, *, interpret: bool):
+    """The splash kernel on one device's rows. q: [R, Nq, H, Dh], k/v: [R, Nk, H, Dh], kv_lengths: [R] or None
+    → [R, Nq, H, Dh].
+
+    Both sequences are padded to `splash_blocks`; the padded keys, and those past a row's length, are masked
+    through the kernel's segment ids (every query in segment 1, a valid key in 1, any other in 0), the padded
+    queries' rows cut off after. q is scaled by 1/√Dh before the kernel (splash has no scale), in q's dtype
+    as the XLA path scales it. A row without a valid key comes back as the mean of its values (every logit
+    masked alike), which `attention` zeroes; its gradient is then zero as well."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+    r, nq, h, dh = q.shape
+    nk = k.shape[1]
+    (nq_pad, bq), (nk_pad, bkv) = splash_blocks(nq), splash_blocks(nk)
+    q = q * jnp.asarray(dh ** -0.5, q.dtype)
+
+    def heads_major(a, n):  # [R, N, H, Dh] → [R, H, n, Dh]: the transpose the kernel needs, and its pad
+        return jnp.pad(rearrange(a, "r n h d -> r h n d"), ((0, 0), (0, 0), (0, n - a.shape[1]), (0, 0)))
+
+    segments = None
+    if kv_lengths is not None or nk_pad != nk:
+        lengths = jnp.full((r,), nk, jnp.int32) if kv_lengths is None else jnp.minimum(kv_lengths, nk)
+        segments = splash.SegmentIds(q=jnp.ones((r, nq_pad), jnp.int32),
+                                     kv=(jnp.arange(nk_pad)[None, :] < lengths[:, None]).astype(jnp.int32))
+    # All keys in one block (240p's spatial and the cross-attention's 300 caption tokens): one fused backward
+    # kernel, whose per-key-block dq is then dq itself; it skips the separate dq kernel's second QKᵀ and dO·Vᵀ
+    # (7 block matmuls forward and backward instead of 9). Several key blocks: separate dq and dk/dv kernels, as
+    # the fused one would write a partial dq in q's dtype per key block and sum them.
+    fused = nk_pad == bkv
+    blocks = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                               block_kv_dkv_compute=bkv, block_q_dq=None if fused else bq,
+                               block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
+    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((nq_pad, nk_pad))] * h)
+    kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=blocks, interpret=interpret)
+
+    def run(kernel, q, k, v, segments):  # the kernel (a pytree of its block tables) an argument, not a closure
+        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(q, k, v, segments)
+
+    out = _traced_at_precision(run, _kernel_precision(q.dtype))(
+        kernel, heads_major(q, nq_pad), heads_major(k, nk_pad), heads_major(v, nk_pad), segments)
+    return rearrange(out[:, :, :nq], "r h n d -> r n h d")
+
+
+def _kernel_precision(dtype) -> str:
+    """The matmul precision the splash kernel is traced at. Mosaic compiles its dots at "default" and, for
+    float32 operands, "highest" only ("Bad lhs type" for bf16 at "highest", "Unsupported dot precision" at
+    "high"). bf16 operands: "default", whatever `jax_default_matmul_precision` says — their products are exact
+    in the kernel's float32 accumulators, so no precision is lost. float32: "highest" unless that setting asks
+    for the default."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return "default"
+    asked = jax.config.jax_default_matmul_precision
+    return "default" if asked in (None, "default", "bfloat16", "fastest") else "highest"
+
+
+def _traced_at_precision(fn, precision: str):
+    """fn, its forward and its backward traced under `jax.default_matmul_precision(precision)`: a custom_vjp's
+    backward (the splash kernel's) is traced when the gradient is taken, outside any context around the call.
+    fn must take every array it uses as an argument: its backward is traced later, under remat or in a scan's
+    transpose, where an array closed over from the forward's trace is a leaked tracer."""
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    def fwd(*args):
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(fn, *args)
+
+    def bwd(vjp, d_out):
+        with jax.default_matmul_precision(precision):
+            return vjp(d_out)
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped
+
+
+def _splash_sharded(q, k, v, kv_lengths, *, interpret: bool, sequence_shards: str):
+    """`_splash_attention` per device, under a shard_map over the mesh set by `jax.set_mesh`: XLA cannot
+    partition a Pallas kernel ("Mosaic kernels cannot be automatically partitioned"). Rows are split over the
+    batch axes (and over `sequence` for "rows"), q's tokens over `sequence` for "tokens", each axis where it
+    divides the dim (any other is replicated); axes that are manual already (inside Ulysses' shard_map) are
+    left alone. Without a mesh, or with every axis manual, the kernel runs as is."""
+    from jaxsora.parallel.mesh import BATCH_AXES
+
+    def call(q, k, v, lens):
+        return _splash_attention(q, k, v, None if kv_lengths is None else lens, interpret=interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    free = () if mesh is None or mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if not free:
+        return call(q, k, v, kv_lengths)
+
+    def axes_for(dim: int, candidates) -> tuple | None:  # the free candidates whose sizes, multiplied, divide dim
+        chosen, size = [], 1
+        for a in candidates:
+            if a in free and mesh.shape[a] > 1 and dim % (size * mesh.shape[a]) == 0:
+                chosen.append(a)
+                size *= mesh.shape[a]
+        return tuple(chosen) or None
+
+    rows = axes_for(q.shape[0], BATCH_AXES + (("sequence",) if sequence_shards == "rows" else ()))
+    tokens = axes_for(q.shape[1], ("sequence",) if sequence_shards == "tokens" else ())
+    q_spec, kv_spec = P(rows, tokens), P(rows)
+    lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32) if kv_lengths is None else kv_lengths
+    return jax.shard_map(call, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(rows)), out_specs=q_spec,
+                         axis_names=frozenset(free), check_vma=False)(q, k, v, lens)
 
 
 def even_padded(attn, q, k, v, kv_lengths):
@@ -526,7 +729,9 @@ class Attention(nnx.Module):
             k = jnp.swapaxes(rope_interleaved(jnp.swapaxes(k, 1, 2), freqs), 1, 2)
         def attn_fn(q_, k_, v_):
             lens = None if kv_len is None else jnp.full((q_.shape[0],), kv_len, jnp.int32)
-            return attention(q_, k_, v_, impl=self.attn_impl, kv_lengths=lens)
+            # temporal rows are (batch, spatial token): the sequence axis shards them, not the frames
+            return attention(q_, k_, v_, impl=self.attn_impl, kv_lengths=lens,
+                             sequence_shards="rows" if self.use_rope else "tokens")
 
         if self.sequence_axis is not None:
             from jaxsora.parallel.sequence import ulysses_attention
@@ -579,6 +784,7 @@ def text_lengths(mask: jax.Array | None) -> jax.Array | None:
 __all__ = [
     "Buffer", "SiLU", "RMSNorm", "RotaryEmbedding", "Mlp", "TimestepEmbedder", "PatchEmbed3D",
     "Attention", "MultiHeadCrossAttention", "attention", "layer_norm", "modulate", "sinusoid",
-    "pos_embed_2d", "rope_frequencies", "rope_tables", "rope_interleaved", "resolve_attention_impl", "text_lengths",
+    "pos_embed_2d", "rope_frequencies", "rope_tables", "rope_interleaved", "resolve_attention_impl", "splash_interpret",
+    "splash_applies", "splash_blocks", "text_lengths",
     "constraints",
 ]
