@@ -85,6 +85,10 @@ def _cases(ws):
         (base + ["--profile", "abc"], "--profile"),
         (base + ["--config.mask_ratios.random=0.9", "--config.mask_ratios.image_head=0.9"], "mask_ratios"),
         (base + ["--start-from-scratch"], "--load"),
+        # a run folder on a bucket would be written as a local folder named "gs:" (mount it instead)
+        (base + ["--outputs", "gs://bucket/runs"], "not a URL"),
+        (base + ["--run-dir", "s3://bucket/runs/001"], "not a URL"),
+        (base + ["--config.train.outputs=gs://bucket/runs"], "not a URL"),
     ]
 
 
@@ -113,6 +117,7 @@ def test_bad_invocations_are_one_line_and_touch_nothing(workspace):
         _assert_one_line(r, needle, args[-2:])
     after = _tree_digest(run)
     assert {k: v for k, v in after.items() if not k.startswith("table_index")} == before
+    assert not (workspace / "gs:").exists() and not (workspace / "s3:").exists()
 
 
 def test_debug_flag_shows_the_traceback(workspace):

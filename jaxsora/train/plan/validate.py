@@ -72,6 +72,7 @@ def check_before_jax(config, opts) -> None:
     `train()` runs them again (`validate_config`; `check_table` remembers a table it has read)."""
     check_ranges(config)
     check_run_flags(opts)
+    _check_local_folder("train.outputs", config.train.outputs)
     compile_options.check_env()  # $JAXSORA_CPU_MATMUL, $JAXSORA_GPU_XLA
     profile_range(opts.profile)
     _check_wandb_mode(config)
@@ -93,6 +94,17 @@ def check_run_flags(opts) -> None:
         raise ConfigError("give either --load (resume everything) or --ckpt-path (weights only), not both")
     if opts.start_from_scratch and not opts.load:
         raise ConfigError("--start-from-scratch only makes sense with --load DIR")
+    _check_local_folder("--run-dir", getattr(opts, "run_dir", None))
+    _check_local_folder("--outputs", getattr(opts, "outputs", None))
+
+
+def _check_local_folder(what: str, path) -> None:
+    """The run folder is written with plain file calls (metrics, heartbeats, checkpoints' index): a URL such as
+    gs://bucket/runs would become a local folder named `gs:` under the working directory. One line instead."""
+    path = str(path or "")
+    if "://" in path and not path.startswith("file://"):
+        raise ConfigError(f"{what} {path}: the run folder must be on a mounted filesystem, not a URL (mount the "
+                          f"bucket, e.g. with gcsfuse or s3fs, and give its local path)")
 
 
 def _check_features(config) -> None:
