@@ -250,11 +250,12 @@ def rope_interleaved(x: jax.Array, freqs) -> jax.Array:
     return (xf * cos + swapped * sin_signed).astype(x.dtype)
 
 
-def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str | None:
+def resolve_attention_impl(impl: str, dtype, head_dim: int, platform: str | None = None) -> str | None:
     """Pick `jax.nn.dot_product_attention`'s implementation explicitly.
 
     "auto": cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple of 8 and ≤ 128 —
     STDiT3-XL/2's 72 qualifies), XLA otherwise. "cudnn" raises where cuDNN cannot run.
+    platform: "cpu", "gpu" or "tpu", the platform the model is compiled for (None: `jax.default_backend()`).
     Returns None for XLA (jax's spelling).
     """
     if impl == "xla":
@@ -263,7 +264,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int) -> str | None:
         return "cudnn"
     if impl != "auto":
         raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn', got {impl!r}")
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = (platform or jax.default_backend()) == "gpu"
     ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if (on_gpu and ok) else None
 

@@ -55,11 +55,15 @@ class BucketMemory:
 
 
 def device_memory_limit(config) -> int | None:
-    """Bytes one device may use: `train.device_memory_gib` when set (e.g. 80 to plan for an H100
-    from a CPU dry run), else the device's own `bytes_limit` (GPU/TPU), else None (CPU)."""
+    """Bytes one device may use: `train.device_memory_gib` when set, else the `train.target`'s
+    (`jaxsora.parallel.targets`), else the device's own `bytes_limit` (GPU/TPU), else None (CPU)."""
     gib = float(config.train.get("device_memory_gib", 0) or 0)
     if gib > 0:
         return int(gib * GIB)
+    if config.train.get("target"):
+        from jaxsora.parallel import targets
+
+        return targets.parse(config.train.target).memory_bytes
     try:
         stats = jax.local_devices()[0].memory_stats()
     except Exception:  # backends without memory stats
@@ -245,9 +249,9 @@ def largest_batch(setup, size: tuple, limit: int, start: int, *, cap: int | None
     return b
 
 
-def backend_notes(model_config) -> list[str]:
-    """What the compiled numbers on this backend do not show (XLA:CPU specifics)."""
-    if jax.default_backend() != "cpu":
+def backend_notes(model_config, platform: str = "cpu") -> list[str]:
+    """What the compiled numbers on this platform (the mesh's) do not show (XLA:CPU specifics)."""
+    if platform != "cpu":
         return []
     notes = []
     if model_config.remat != "none" and not model_config.scan_blocks:
@@ -271,8 +275,8 @@ def format_table(rows: Sequence[BucketMemory]) -> str:
                      f"{gb(r.info.temp_bytes)} {gb(r.info.peak_bytes)}  {fits}")
     limit = next((r.limit for r in rows if r.limit), None)
     lines.append(f"device memory: {limit / GIB:.2f} GiB per device" if limit else
-                 "device memory: unknown on this backend; set train.device_memory_gib (e.g. 80 for an H100) "
-                 "to check the fit")
+                 "device memory: unknown on this backend; plan for a GPU or TPU with --target (e.g. h100x8), or set "
+                 "train.device_memory_gib")
     return "\n".join(lines)
 
 
@@ -282,7 +286,7 @@ def format_choices(rows: Sequence[BucketMemory], budget: int | None) -> str | No
     if not chosen:
         return None
     where = f"{budget / GIB:.2f} GiB per device (train.remat_memory_fraction of the device)" if budget else \
-        "no device memory limit known: no remat (set train.device_memory_gib to plan for a GPU)"
+        "no device memory limit known: no remat (--target h100x8 plans for a GPU)"
     lines = [f"remat auto: the cheapest remat whose step fits {where}:"]
     for r in chosen:
         res, t, h, w = r.bucket
