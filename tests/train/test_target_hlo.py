@@ -34,7 +34,7 @@ def _setup(tmp, remat):
     c.model.update(dict(name="STDiT3-XL/2", depth=2, hidden_size=None, num_heads=None, compute_dtype="bfloat16",
                         attention_impl="auto", remat=remat, scan_blocks=False))
     c.vae.downsample = (1, 8, 8)
-    c.text_encoder.update(dict(model_max_length=300))
+    c.text_encoder.update(dict(model_max_length=300, dtype="bfloat16"))  # T5 in bf16, as the stage configs
     c.train.target = TARGET
     return setup_run(c, abstract_encoders=True)
 
