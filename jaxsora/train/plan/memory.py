@@ -93,7 +93,7 @@ def remat_budget(config, limit: int | None) -> int | None:
 PARTIAL_TRIES = 3
 
 
-def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, parallel: int = 1):
+def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, parallel: int = 1, on_try=None):
     """The cheapest remat of the ladder whose compiled step fits `budget` bytes per device, for one bucket:
     (RematChoice, CompileInfo, compiled executable, tried), tried = ((choice, peak bytes), ...) in ladder order.
     Rungs: AUTO_REMAT_LADDER up to full; before full, partial remat — `full` on the first k pairs, the rest
@@ -107,6 +107,8 @@ def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, par
     import concurrent.futures
 
     def measure(choices):
+        if on_try is not None:  # what is compiling now (a target's XL/2 compile takes minutes)
+            on_try(choices)
         if parallel > 1 and len(choices) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(parallel, len(choices))) as pool:
                 done = list(pool.map(lambda c: step.compile_candidate(spec, encoders, c), choices))
@@ -190,8 +192,11 @@ def compile_buckets(setup, buckets: Sequence[tuple], *, limit: int | None, threa
         return row(bucket, gb, info, setup.step.remat_for(spec))
 
     def choose_one(bucket, gb, spec):
+        def trying(choices):
+            bar.set_postfix_str(f"{bucket[0]} {bucket[1]}f: remat {', '.join(_label(setup, c) for c in choices)}")
+
         choice, info, compiled, tried = choose_remat(setup.step, spec, setup.encoders.weights,
-                                                     setup.model_config.depth, budget)
+                                                     setup.model_config.depth, budget, on_try=trying)
         info = setup.step.adopt(spec, compiled, info, choice)
         bar.update(1)
         return row(bucket, gb, info, setup.step.remat_for(spec), tried)
