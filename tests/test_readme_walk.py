@@ -97,6 +97,8 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("make test\n", Skip("runs this walk")),
     ("make test TEST_WORKERS=4", Skip("runs this walk")),
     ("-m pytest tests/models", Skip("a part of the suite this walk belongs to")),
+    ("make plan-gpu", Skip("make install, which runs this walk, installs the GPU compiler")),
+    ("make plan-tpu", Skip("libtpu for the TPU targets (213 MB), not part of make install")),
     ("python3.12 -m venv", SKIP_GPU_SETUP),
     (". .venv/bin/activate", SKIP_GPU_SETUP),
     ("pip install -e '.[cuda13]'", SKIP_GPU_SETUP),
