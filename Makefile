@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test demo clean-venv lint browser
+.PHONY: install test demo clean-venv lint browser plan-gpu plan-tpu
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,23 @@ $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev,torch,app]'
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
-install: $(STAMP)
+# The compilers of `--target` (docs/install.md): each in a folder of its own that only a target command loads, from
+# pyproject.toml's plan-gpu / plan-tpu pins. make install (and so CI) puts in the GPU compiler: the structural HLO
+# tests compile the step for an H100 with it (tests/train/test_target_hlo.py).
+PLAN_GPU := $(VENV)/jaxsora-plan-gpu
+PLAN_TPU := $(VENV)/jaxsora-plan-tpu
+PINS = $(VPY) -c "import sys, tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))"
+
+$(PLAN_GPU)/.installed $(PLAN_TPU)/.installed: pyproject.toml | $(VPY)
+	rm -rf $(@D) && mkdir -p $(@D)
+	$(PINS) $(patsubst jaxsora-%,%,$(notdir $(@D))) > $(@D).txt
+	$(VPY) -m pip install -q --no-deps --target $(@D) -r $(@D).txt
+	touch $@
+
+plan-gpu: $(PLAN_GPU)/.installed
+plan-tpu: $(PLAN_TPU)/.installed
+
+install: $(STAMP) $(PLAN_GPU)/.installed
 
 # The suite on TEST_WORKERS processes (pytest-xdist), whole files per worker so that module fixtures (compiled
 # steps, trained runs) are built once; files with `slow` tests are handed out first (tests/conftest.py).

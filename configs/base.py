@@ -121,6 +121,9 @@ def get_config():
         async_checkpoint=True, compilation_cache=True,
         check_memory=True,              # compile every bucket before step 0; refuse buckets that do not fit
         device_memory_gib=0.0,          # > 0: plan for this much per device (e.g. 80 for an H100 from a CPU dry run)
+        target="",                      # plan for other chips, compiled here by their own compiler (--target):
+                                        # h100x8 | h200x8 | a100-80gx8 | tpu-v5p:2x2x2 | tpu-v5e:4x4 | tpu-v6e:2x4;
+                                        # dry run and batch search only ("": this machine's devices)
         remat_memory_fraction=0.9,      # model.remat="auto" plans each bucket's step into this share of the device
         compile_threads=0,              # parallel bucket compiles (0: min(8, CPUs))
         peak_flops=0.0,                 # > 0: peak FLOP/s per device for the logged MFU (0: H100/H200/A100 table;

@@ -186,6 +186,8 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("make test\n", Skip("runs this walk")),
     ("make test TEST_WORKERS=4", Skip("runs this walk")),
     ("-m pytest tests/models", Skip("a part of the suite this walk belongs to")),
+    ("make plan-gpu", Skip("make install, which runs this walk, installs the GPU compiler")),
+    ("make plan-tpu", Skip("libtpu for the TPU targets (213 MB), not part of make install")),
     ("python3.12 -m venv", SKIP_GPU_SETUP),
     (". .venv/bin/activate", SKIP_GPU_SETUP),
     ("pip install -e '.[cuda13]'", SKIP_GPU_SETUP),
@@ -221,8 +223,11 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("--data-path data/meta.csv --config.optim.lr=2e-4", Walk(STAGE_CONFIGS, TRAIN_ONE, R2)),
     ("--data-path data/meta.csv --load 656", Walk({**STAGE_CONFIGS, "--load 656": "--load 1"}, TRAIN_FAST_4,
                                                   R1 + "/checkpoints/4")),
-    ("device_memory_gib=80", Skip("XL/2 at 240p compiled for 8 devices: minutes of CPU (its flags are checked by "
-                                  "tests/test_docs.py; the dry run above is walked)")),
+    ("--dry-run --target h100x8", Skip("XL/2 compiled by XLA:GPU for 8 H100s: minutes of CPU a bucket (its flags are "
+                                       "checked by tests/test_docs.py; tests/train/test_targets.py runs it on the "
+                                       "demo config, tests/train/test_target_hlo.py reads the XL/2 step's HLO)")),
+    ("--target tpu-v5p:2x2x2", Skip("XL/2 compiled by libtpu for a TPU v5p slice: minutes of CPU a compile, and "
+                                    "libtpu is not in make install (make plan-tpu)")),
     # --ckpt-path: the README's PixArt-Sigma weights (a download) → the first run's checkpoints.
     ("lambda/stage1.py --data-path OpenVid1M.csv", Walk(
         {**LAMBDA, "pretrained_models/PixArt-Sigma-XL-2-2K-MS.pth": R1 + "/checkpoints"}, TRAIN_FAST, R3)),
@@ -288,9 +293,10 @@ WALK: list[tuple[str, Walk | Skip]] = [
     ("data_tools.judge samples/", Walk(expect="samples.png")),
     # --- The tools chain.
     # A CPU reports no memory limit: the search needs one (the docs' is the device's own).
-    ("search_bs", Walk({**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 4 --no-progress"},
-                       f"--config.train.device_memory_gib=0.1 {WALK_DEPTH}", expect="bs.json", chain="tools",
-                       check=_search_found_the_boundary)),
+    ("search_bs --config configs/stage1.py --data-path meta.csv --fraction", Walk(
+        {**STAGE_CONFIGS, "--fraction 0.9": "--fraction 0.9 --max-batch 4 --no-progress"},
+        f"--config.train.device_memory_gib=0.1 {WALK_DEPTH}", expect="bs.json", chain="tools",
+        check=_search_found_the_boundary)),
     ("bucket_config_file=bs.json", Walk(STAGE_CONFIGS, TRAIN_ONE, T1, chain="tools")),
     ("--config.eval.table=heldout.csv", Walk({**STAGE_CONFIGS, "train.csv": "splits/train.csv",
                                               "heldout.csv": "splits/val.csv", "eval.every=1000": "eval.every=1"},

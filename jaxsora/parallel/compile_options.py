@@ -113,8 +113,15 @@ def for_platform(platform: str) -> dict | None:
 
 
 def of_mesh(mesh) -> dict | None:
-    """`for_platform` of the mesh's devices."""
-    return for_platform(mesh.devices.flat[0].platform)
+    """`for_platform` of the mesh's devices; for a target's compile-only devices (`jaxsora.parallel.targets`), with
+    the options a compile for the target adds."""
+    from jaxsora.parallel import targets
+
+    options = for_platform(targets.platform_of(mesh))
+    target = targets.target_of(mesh)
+    if target is not None:
+        options = {**targets.compiler_options(target), **(options or {})} or None
+    return options
 
 
 def of_default_backend() -> dict | None:

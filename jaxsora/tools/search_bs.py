@@ -13,9 +13,9 @@ config; the output JSON is a `data.bucket_config` — train with
 With `model.remat="auto"` (the stage configs) every bucket is searched at full remat, the policy that fits
 the most; training then picks, per bucket, the cheapest remat that fits the batch found.
 
-The device memory is the device's own, or `--config.train.device_memory_gib` (e.g. 80 to plan for
-an H100 from a CPU machine with `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
-`--no-progress` hides the progress bar.
+The device memory is the device's own, or that of `--target` (e.g. `h100x8`, `tpu-v5p:2x2x2`: the search
+compiles for those chips with their own compiler, from any machine; `jaxsora.parallel.targets`), or
+`--config.train.device_memory_gib`. `--no-progress` hides the progress bar.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def search(config, *, fraction: float = 0.9, max_batch: int | None = None, use_t
 
     device = memory.device_memory_limit(config)
     if device is None:
-        raise ConfigError("the device reports no memory limit (CPU): set --config.train.device_memory_gib, "
-                          "e.g. 80 for an H100")
+        raise ConfigError("the device reports no memory limit (CPU): search for a GPU or TPU with --target "
+                          "(e.g. h100x8), or set --config.train.device_memory_gib")
     limit = int(device * fraction)
     load_bucket_config_file(config)  # data.bucket_config_file replaces data.bucket_config, as in the trainer
     setup = setup_run(config, abstract_encoders=True)
@@ -99,6 +99,8 @@ def _define_flags():
     flags.DEFINE_alias("out", "output")
     flags.DEFINE_integer("max_batch", None, "never search above this per-device batch")
     flags.DEFINE_bool("no_progress", False, "no progress bar")
+    flags.DEFINE_string("target", None, "search for these chips, compiled here by their own compiler (h100x8, "
+                        "h200x8, a100-80gx8, tpu-v5p:2x2x2, ...); sets train.target")
 
 
 def _body() -> int:
@@ -110,6 +112,11 @@ def _body() -> int:
     config = FLAGS.config
     if FLAGS.data_path:
         config.data.table = FLAGS.data_path
+    if FLAGS.target is not None:
+        from jaxsora.parallel import targets
+
+        config.train.target = FLAGS.target
+        targets.parse(FLAGS.target)  # a bad name: one line, before any work
     if not 0 < FLAGS.fraction <= 1:
         raise ConfigError(f"--fraction must lie in (0, 1], got {FLAGS.fraction}")
     result = search(config, fraction=FLAGS.fraction, max_batch=FLAGS.max_batch, progress=not FLAGS.no_progress)

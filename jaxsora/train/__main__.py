@@ -13,7 +13,8 @@ optimizer and schedule, restart the data order), --outputs DIR (a new run gets t
 `<outputs>/<NNN>-<experiment>`, NNN the next free experiment number), --run-dir DIR (exactly this
 run folder, unnumbered; refused if it holds a run already, unless --load resumes that run),
 --dry-run (validate config, table and bucket plan; compile the step per bucket and print the plan
-and per-device memory; train nothing), --profile START:STOP (a jax.profiler trace), --debug
+and per-device memory; train nothing), --target h100x8 (with --dry-run: the plan for other chips, compiled here by
+their own compiler; `jaxsora.parallel.targets`), --profile START:STOP (a jax.profiler trace), --debug
 (tracebacks for user errors too).
 Multi-host: see docs/training/clusters.md (jax.distributed from SLURM / JAX_* variables / --coordinator flags).
 
@@ -42,6 +43,8 @@ def _define_flags():
     flags.DEFINE_string("outputs", None, "outputs folder; overrides train.outputs")
     flags.DEFINE_string("run_dir", None, "exactly this run folder instead of a new <outputs>/<NNN>-<experiment>")
     flags.DEFINE_bool("dry_run", False, "validate, compile every bucket and print the plan and memory; no training")
+    flags.DEFINE_string("target", None, "with --dry-run: plan for these chips, compiled here by their own compiler "
+                        "(h100x8, h200x8, a100-80gx8, tpu-v5p:2x2x2, tpu-v5e:4x4, tpu-v6e:2x4); sets train.target")
     flags.DEFINE_string("profile", None, "START:STOP — write a jax.profiler trace of those steps to <run>/profile")
     flags.DEFINE_string("coordinator", None, "multi-host: coordinator address host:port")
     flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
@@ -56,6 +59,8 @@ def _body() -> int:
     # before jax is imported (train() runs them again with the rest of validate_config).
     from jaxsora.train.plan.validate import check_before_jax
 
+    if FLAGS.target is not None:
+        FLAGS.config.train.target = FLAGS.target
     if FLAGS.dry_run:  # what the run would be, before anything is checked (a user's first look at a config)
         from jaxsora.config import format_config
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxsora.parallel import targets
 from jaxsora.parallel.sharding import bytes_per_device
-from jaxsora.train.plan import memory
+from jaxsora.train.plan import memory, roofline
 
 
 def _numbers(tree) -> int:
@@ -23,12 +24,17 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
     n_params = n_train + _numbers(plan.abstract.frozen)
     state_bytes = bytes_per_device(plan.abstract_sharded)
     mcfg = setup.model_config
-    lines = [f"model {config.model.get('name')}: {n_params:,} numbers ({n_train:,} trainable); "
-             f"remat {mcfg.remat}"
-             + (" (chosen per bucket, below)" if mcfg.remat == "auto" else "" if mcfg.remat == "none" else
-                f" ({'all' if mcfg.remat_blocks < 0 else mcfg.remat_blocks} block pairs)") + ", "
-             f"scan_blocks {mcfg.scan_blocks}, compute {mcfg.compute_dtype}",
-             f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({jax.process_count()} processes)",
+    target = targets.target_of(mesh)
+    lines = [target.describe()] if target is not None else []
+    lines += [f"model {config.model.get('name')}: {n_params:,} numbers ({n_train:,} trainable); "
+              f"remat {mcfg.remat}"
+              + (" (chosen per bucket, below)" if mcfg.remat == "auto" else "" if mcfg.remat == "none" else
+                 f" ({'all' if mcfg.remat_blocks < 0 else mcfg.remat_blocks} block pairs)") + ", "
+              f"scan_blocks {mcfg.scan_blocks}, compute {mcfg.compute_dtype}, attention {mcfg.attention_impl}"
+              + (" (auto, for " + targets.platform_of(mesh) + ")" if config.model.get("attention_impl") == "auto"
+                 else ""),
+              f"mesh {dict(mesh.shape)} over {mesh.size} devices"
+              + (f" of {target.name}" if target else f" ({jax.process_count()} processes)"),
              f"train state per device (params, frozen, EMA, Adam): {state_bytes / memory.GIB:.2f} GiB"]
     plan_rows = loader.describe_plan(0)
     total = 0
@@ -55,12 +61,14 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
                                   progress=jax.process_index() == 0, budget=budget)
     table = memory.format_table(rows)
     choices = memory.format_choices(rows, budget)
+    speed = roofline.rows(setup, rows, target)
     if jax.process_index() == 0:
         print(f"per-device memory of the compiled train step ({len(rows)} bucket shapes):")
         print(table, flush=True)
         if choices:
             print(choices, flush=True)
-        for note in memory.backend_notes(setup.model_config):
+        print(roofline.format_rows(speed, target), flush=True)
+        for note in memory.backend_notes(setup.model_config, targets.platform_of(mesh)):
             print(f"note: {note}")
     eval_rows = None
     if evaluator is not None:
@@ -80,4 +88,4 @@ def dry_run(setup, loader, outdir: str, evaluator=None) -> dict:
         if msg:  # the real start's refusal, with its suggestion: a script or CI gate sees exit code 2
             raise memory.MemoryPlanError(msg)
     return dict(plan=plan_rows, steps_per_epoch=total, params=n_params, state_bytes=state_bytes, buckets=rows,
-                outputs=outdir, eval=eval_rows)
+                outputs=outdir, eval=eval_rows, speed=speed)

@@ -55,11 +55,15 @@ class BucketMemory:
 
 
 def device_memory_limit(config) -> int | None:
-    """Bytes one device may use: `train.device_memory_gib` when set (e.g. 80 to plan for an H100
-    from a CPU dry run), else the device's own `bytes_limit` (GPU/TPU), else None (CPU)."""
+    """Bytes one device may use: `train.device_memory_gib` when set, else the `train.target`'s
+    (`jaxsora.parallel.targets`), else the device's own `bytes_limit` (GPU/TPU), else None (CPU)."""
     gib = float(config.train.get("device_memory_gib", 0) or 0)
     if gib > 0:
         return int(gib * GIB)
+    if config.train.get("target"):
+        from jaxsora.parallel import targets
+
+        return targets.parse(config.train.target).memory_bytes
     try:
         stats = jax.local_devices()[0].memory_stats()
     except Exception:  # backends without memory stats
@@ -89,7 +93,7 @@ def remat_budget(config, limit: int | None) -> int | None:
 PARTIAL_TRIES = 3
 
 
-def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, parallel: int = 1):
+def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, parallel: int = 1, on_try=None):
     """The cheapest remat of the ladder whose compiled step fits `budget` bytes per device, for one bucket:
     (RematChoice, CompileInfo, compiled executable, tried), tried = ((choice, peak bytes), ...) in ladder order.
     Rungs: AUTO_REMAT_LADDER up to full; before full, partial remat — `full` on the first k pairs, the rest
@@ -103,6 +107,8 @@ def choose_remat(step, spec: dict, encoders, depth: int, budget: int | None, par
     import concurrent.futures
 
     def measure(choices):
+        if on_try is not None:  # what is compiling now (a target's XL/2 compile takes minutes)
+            on_try(choices)
         if parallel > 1 and len(choices) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(parallel, len(choices))) as pool:
                 done = list(pool.map(lambda c: step.compile_candidate(spec, encoders, c), choices))
@@ -186,8 +192,11 @@ def compile_buckets(setup, buckets: Sequence[tuple], *, limit: int | None, threa
         return row(bucket, gb, info, setup.step.remat_for(spec))
 
     def choose_one(bucket, gb, spec):
+        def trying(choices):
+            bar.set_postfix_str(f"{bucket[0]} {bucket[1]}f: remat {', '.join(_label(setup, c) for c in choices)}")
+
         choice, info, compiled, tried = choose_remat(setup.step, spec, setup.encoders.weights,
-                                                     setup.model_config.depth, budget)
+                                                     setup.model_config.depth, budget, on_try=trying)
         info = setup.step.adopt(spec, compiled, info, choice)
         bar.update(1)
         return row(bucket, gb, info, setup.step.remat_for(spec), tried)
@@ -245,9 +254,9 @@ def largest_batch(setup, size: tuple, limit: int, start: int, *, cap: int | None
     return b
 
 
-def backend_notes(model_config) -> list[str]:
-    """What the compiled numbers on this backend do not show (XLA:CPU specifics)."""
-    if jax.default_backend() != "cpu":
+def backend_notes(model_config, platform: str = "cpu") -> list[str]:
+    """What the compiled numbers on this platform (the mesh's) do not show (XLA:CPU specifics)."""
+    if platform != "cpu":
         return []
     notes = []
     if model_config.remat != "none" and not model_config.scan_blocks:
@@ -271,8 +280,8 @@ def format_table(rows: Sequence[BucketMemory]) -> str:
                      f"{gb(r.info.temp_bytes)} {gb(r.info.peak_bytes)}  {fits}")
     limit = next((r.limit for r in rows if r.limit), None)
     lines.append(f"device memory: {limit / GIB:.2f} GiB per device" if limit else
-                 "device memory: unknown on this backend; set train.device_memory_gib (e.g. 80 for an H100) "
-                 "to check the fit")
+                 "device memory: unknown on this backend; plan for a GPU or TPU with --target (e.g. h100x8), or set "
+                 "train.device_memory_gib")
     return "\n".join(lines)
 
 
@@ -282,7 +291,7 @@ def format_choices(rows: Sequence[BucketMemory], budget: int | None) -> str | No
     if not chosen:
         return None
     where = f"{budget / GIB:.2f} GiB per device (train.remat_memory_fraction of the device)" if budget else \
-        "no device memory limit known: no remat (set train.device_memory_gib to plan for a GPU)"
+        "no device memory limit known: no remat (--target h100x8 plans for a GPU)"
     lines = [f"remat auto: the cheapest remat whose step fits {where}:"]
     for r in chosen:
         res, t, h, w = r.bucket

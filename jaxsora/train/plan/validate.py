@@ -11,7 +11,7 @@ import sys
 
 from jaxsora.data import text_length
 from jaxsora.errors import ConfigError
-from jaxsora.parallel import compile_options
+from jaxsora.parallel import compile_options, targets
 from jaxsora.train.plan.ranges import check_ranges
 
 
@@ -73,6 +73,7 @@ def check_before_jax(config, opts) -> None:
     check_ranges(config)
     check_run_flags(opts)
     _check_local_folder("train.outputs", config.train.outputs)
+    check_target(config, opts)
     compile_options.check_env()  # $JAXSORA_CPU_MATMUL, $JAXSORA_GPU_XLA
     profile_range(opts.profile)
     _check_wandb_mode(config)
@@ -84,6 +85,19 @@ def check_before_jax(config, opts) -> None:
             from jaxsora.data.tables import check_table
 
             check_table(table)
+
+
+def check_target(config, opts=None):
+    """`train.target` (--target): a known target (`jaxsora.parallel.targets.parse`), and only for a dry run (nothing
+    runs on a target's devices). The target, or None."""
+    spec = config.train.get("target") or ""
+    if not spec:
+        return None
+    target = targets.parse(spec)
+    if opts is not None and not opts.dry_run:
+        raise ConfigError(f"--target {spec} compiles for chips this machine does not have: add --dry-run (the plan of "
+                          "every bucket), or use python -m jaxsora.tools.search_bs --target (the batch sizes)")
+    return target
 
 
 def check_run_flags(opts) -> None:
@@ -158,8 +172,9 @@ def validate_config(config, opts=None) -> None:
 
     from jaxsora.parallel.mesh import MeshError, mesh_shape
 
+    target = check_target(config, opts)
     try:
-        mesh_shape(config.mesh, jax.device_count())
+        mesh_shape(config.mesh, target.num_devices if target else jax.device_count())
     except MeshError as e:
         raise ConfigError(str(e)) from e
 

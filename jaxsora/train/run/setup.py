@@ -28,9 +28,11 @@ from typing import Any
 import jax
 import ml_collections
 
+from jaxsora.errors import ConfigError
 from jaxsora.models import lora as lora_lib
 from jaxsora.models.config import STDiT3Config
-from jaxsora.parallel import compile_options
+from jaxsora.models.layers import resolve_attention_impl
+from jaxsora.parallel import compile_options, targets
 from jaxsora.parallel import mesh as mesh_lib
 from jaxsora.train import build
 from jaxsora.train.contracts import Loader
@@ -85,7 +87,7 @@ class RunSetup:
 # plan chose under them, which a run with another budget must not reuse.
 STEP_FIELDS = {"mesh": None, "model": None, "optim": None, "scheduler": None, "mask_ratios": None, "lora": None,
                "vae": None, "text_encoder": None,
-               "train": ("seed", "max_param_norm_growth", "device_memory_gib", "remat_memory_fraction"),
+               "train": ("seed", "max_param_norm_growth", "device_memory_gib", "remat_memory_fraction", "target"),
                "data": ("features", "text_cache")}
 
 
@@ -134,18 +136,33 @@ def _step_key(sc, mesh: jax.sharding.Mesh, rules, encoders: build.Encoders, abst
                                      encoders.text_from_cache, encoders.latents_dtype]), sort_keys=True)
 
 
+def with_platform_attention(mcfg: STDiT3Config, platform: str) -> STDiT3Config:
+    """`attention_impl="auto"` resolved for the platform the step is compiled for (the mesh's: a `train.target`'s
+    chips, not this machine's), by the layers' own rule (`resolve_attention_impl`): cuDNN for a GPU in bf16, XLA
+    on a CPU. The config the run saves keeps "auto"."""
+    if mcfg.attention_impl != "auto":
+        return mcfg
+    impl = resolve_attention_impl("auto", mcfg.compute_dtype, mcfg.head_dim, platform=platform)
+    return mcfg.replace(attention_impl=impl or "xla")
+
+
 def setup_run(config, *, abstract_encoders: bool = False) -> RunSetup:
     """Mesh → encoders → model config → state plan → jitted step. `abstract_encoders`: no encoder
     weights are read (the dry run and the batch-size search compile with their shapes). Everything is
     built from `step_config(config)`; the plan and step of an earlier run of this process with the same
     key (`_step_key`) are reused."""
     sc = step_config(config)
-    mesh = mesh_lib.make_mesh(sc.mesh)
+    target = sc.train.get("target") or ""
+    if target and not abstract_encoders:
+        raise ConfigError(f"train.target={target!r} plans for other chips: only a dry run or the batch-size search "
+                          "compiles for it (--dry-run); unset it to train on this machine's devices")
+    mesh = mesh_lib.make_mesh(sc.mesh, targets.devices(targets.parse(target)) if target else None)
     rules = mesh_lib.logical_rules(mesh)
     encoders = build.build_encoders(sc, mesh, rules, abstract=abstract_encoders)
     mcfg = build.build_model_config(sc.model, in_channels=encoders.in_channels,
                                     caption_channels=encoders.caption_channels,
                                     model_max_length=encoders.model_max_length)
+    mcfg = with_platform_attention(mcfg, targets.platform_of(mesh))
     mesh_lib.check_sequence_parallel(mcfg.num_heads, mesh)
     if mesh_lib.sequence_parallel_size(mesh) > 1:
         mcfg = mcfg.replace(sequence_parallel_axis="sequence")

@@ -13,6 +13,7 @@ cache keeps the executables across runs).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax._src import config as jax_config  # enable_compilation_cache as a context (no public spelling in 0.10)
 
 from jaxsora.data.video import to_model_range
 from jaxsora.diffusion import rflow
@@ -30,7 +32,7 @@ from jaxsora.diffusion.masks import MaskGenerator
 from jaxsora.models.config import RematChoice
 from jaxsora.models.lora import dropout_rng as lora_dropout_rng
 from jaxsora.models.stdit3 import remat_override
-from jaxsora.parallel import compile_options
+from jaxsora.parallel import compile_options, targets
 from jaxsora.parallel.constraints import logical_rules
 from jaxsora.parallel.sharding import abstract_of, batch_sharding, host_to_global
 from jaxsora.train.step.optim import AdamW
@@ -193,6 +195,8 @@ class CompileInfo:
     alias_bytes: int  # outputs that reuse donated inputs (the train state)
     temp_bytes: int  # activations and other scratch
     flops: float | None  # XLA's cost analysis of the partitioned program
+    matmul_flops: float | None = None  # counted from the optimized HLO (`train.plan.hlo`): a target's compiles
+    bytes_accessed: float | None = None  # the compiler's count of the bytes its ops access, where it gives one
 
     @property
     def peak_bytes(self) -> int:
@@ -200,14 +204,23 @@ class CompileInfo:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @classmethod
-    def of(cls, compiled, seconds: float) -> CompileInfo:
+    def of(cls, compiled, seconds: float, count_matmuls: bool = False) -> CompileInfo:
         m = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
+        try:
+            cost = compiled.cost_analysis()
+        except Exception:  # noqa: BLE001 - XLA:GPU in jaxlib 0.10.2 has none
+            cost = None
         cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
         flops = float(cost["flops"]) if isinstance(cost, dict) and cost.get("flops") else None
+        accessed = float(cost["bytes accessed"]) if isinstance(cost, dict) and cost.get("bytes accessed") else None
         get = lambda name: int(getattr(m, name, 0) or 0) if m is not None else 0  # noqa: E731
+        matmuls = None
+        if count_matmuls:
+            from jaxsora.train.plan.hlo import matmul_flops
+
+            matmuls = matmul_flops(compiled.as_text())
         return cls(seconds, get("argument_size_in_bytes"), get("output_size_in_bytes"),
-                   get("alias_size_in_bytes"), get("temp_size_in_bytes"), flops)
+                   get("alias_size_in_bytes"), get("temp_size_in_bytes"), flops, matmuls, accessed)
 
 
 class TrainStep:
@@ -276,11 +289,33 @@ class TrainStep:
 
     def compile_candidate(self, batch_spec: dict, encoders, remat: RematChoice | None = None, lowered=None):
         """(compiled executable, CompileInfo) of this batch shape with this remat, kept nowhere: the compile
-        plan measures candidates with it and `adopt`s the one it picks."""
+        plan measures candidates with it and `adopt`s the one it picks. For a `train.target`'s devices, which can
+        only compile: (None, CompileInfo), the numbers read back from the plan cache when this program was
+        compiled for the target before (`train.plan.target_cache`)."""
         t0 = time.perf_counter()
         lowered = lowered if lowered is not None else self.lower(batch_spec, encoders, remat)
-        compiled = lowered.compile()
-        return compiled, CompileInfo.of(compiled, time.perf_counter() - t0)
+        target = targets.target_of(self.mesh)
+        if target is None:
+            compiled = lowered.compile()
+            return compiled, CompileInfo.of(compiled, time.perf_counter() - t0)
+        from jaxsora.train.plan import target_cache
+
+        key = target_cache.key(lowered, target, compile_options.of_mesh(self.mesh))
+        kept = target_cache.read(key)
+        info = None
+        if kept is not None:
+            try:
+                info = CompileInfo(**kept)
+            except TypeError:  # an entry of an older CompileInfo: compile again
+                info = None
+        if info is None:
+            # jax's persistent cache cannot read back an executable of compile-only devices: ours keeps the numbers
+            no_cache = getattr(jax_config, "enable_compilation_cache", None)
+            with no_cache(False) if no_cache is not None else contextlib.nullcontext():
+                compiled = lowered.compile()
+            info = CompileInfo.of(compiled, time.perf_counter() - t0, count_matmuls=True)
+            target_cache.write(key, info)
+        return None, info
 
     def adopt(self, batch_spec: dict, compiled, info: CompileInfo, remat: RematChoice | None = None) -> CompileInfo:
         """Keep `compiled` as this batch shape's executable (the first one kept wins), and `remat` as its
